@@ -21,5 +21,9 @@ class DownloadError(EaglespecError):
     """Fetching or verifying a registry model failed (offline, missing package, hash mismatch)."""
 
 
-class PromptTooLongError(EaglespecError):
-    """The prompt plus the requested new tokens do not fit the context."""
+class InvalidRequestError(EaglespecError, ValueError):
+    """A request's parameters or prompt are out of range (an empty prompt, top_p 0, ...)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt leaves no room to generate within the model's context."""

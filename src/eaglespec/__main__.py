@@ -1,0 +1,3 @@
+from eaglespec.cli import main
+
+raise SystemExit(main())

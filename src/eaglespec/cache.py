@@ -1,0 +1,163 @@
+"""Static, preallocated KV cache and the attention masks over it. Pure tensor code: no model imports.
+
+Dims: L layers, B batch rows, Hkv KV heads, S capacity, D head dim, T new tokens, K attended keys, A kept.
+
+Layout is layer-major, (L, B, Hkv, S, D), so each layer's slice `k[l]` is one contiguous
+(B, Hkv, S, D) block that SDPA reads directly.
+
+Lifecycle of one forward over T new tokens:
+  1. `write_slots(T)` tells the model where row b's new entries go: slots len_b .. len_b + T - 1.
+  2. the model writes K/V there and attends over slots [0, max(len) + T) with `attention_mask`.
+  3. the caller commits: `advance(counts)` keeps the first counts[b] new entries of each row
+     (plain decoding, ragged prefill), or `keep(src, counts)` gathers accepted entries from anywhere
+     among the new ones (speculative verification keeps one root-to-leaf path of a tree).
+Entries past a row's length are scratch: never attended, overwritten by the next write.
+
+Lengths live on the host as plain ints: they decide slice bounds, and reading them from the device
+would cost a sync per step. Callers that learn counts on the device sync once to commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class KVCache:
+    k: torch.Tensor  # (L, B, Hkv, S, D)
+    v: torch.Tensor  # (L, B, Hkv, S, D)
+    lengths: list[int]  # committed entries per row, host side
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+        return cls(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            lengths=[0] * batch,
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def uniform(self) -> bool:
+        """All rows have the same length: writes are one slice and no padding mask is needed."""
+        return min(self.lengths) == max(self.lengths)
+
+    def check_room(self, num_new: int) -> None:
+        need = max(self.lengths) + num_new
+        if need > self.capacity:
+            raise ValueError(f"KV cache overflow: {need} entries needed, capacity {self.capacity}")
+
+    def write_slots(self, num_new: int) -> torch.Tensor:
+        """(B, T) int64 slot of each new entry: lengths [3, 5], T=2 -> [[3, 4], [5, 6]]."""
+        start = torch.tensor(self.lengths, device=self.k.device)[:, None]  # (B, 1)
+        return start + torch.arange(num_new, device=self.k.device)
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """k_new, v_new (B, Hkv, T, D) written at each row's next T slots."""
+        T = k_new.shape[2]
+        if self.uniform:
+            start = self.lengths[0]
+            self.k[layer, :, :, start : start + T] = k_new
+            self.v[layer, :, :, start : start + T] = v_new
+            return
+        # Ragged rows: one index_put over (row, head, slot) broadcast to (B, Hkv, T).
+        B, Hkv = k_new.shape[:2]
+        dev = self.k.device
+        rows = torch.arange(B, device=dev)[:, None, None]
+        heads = torch.arange(Hkv, device=dev)[None, :, None]
+        slots = self.write_slots(T)[:, None, :]
+        self.k[layer].index_put_((rows, heads, slots), k_new)
+        self.v[layer].index_put_((rows, heads, slots), v_new)
+
+    def view(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first K slots of one layer: two (B, Hkv, K, D) views."""
+        return self.k[layer, :, :, :num_keys], self.v[layer, :, :, :num_keys]
+
+    def advance(self, counts: Sequence[int]) -> None:
+        """Commit the first counts[b] new entries of row b."""
+        self.lengths = [n + c for n, c in zip(self.lengths, counts, strict=True)]
+
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Forget everything past lengths[b] in row b (no data moves)."""
+        if any(n > old for n, old in zip(lengths, self.lengths, strict=True)):
+            raise ValueError(f"truncate can only shorten rows: {list(lengths)} vs {self.lengths}")
+        self.lengths = list(lengths)
+
+    def select_rows(self, rows: Sequence[int]) -> KVCache:
+        """A cache holding only the given rows, in that order (finished sequences leave the batch)."""
+        idx = torch.tensor(list(rows), device=self.k.device)
+        return KVCache(
+            k=self.k.index_select(1, idx),
+            v=self.v.index_select(1, idx),
+            lengths=[self.lengths[r] for r in rows],
+        )
+
+    def keep(self, src: torch.Tensor, counts: Sequence[int]) -> None:
+        """Gather-by-index commit: row b keeps new entries src[b, :counts[b]] (offsets from len_b,
+        increasing), moved to slots len_b .. len_b + counts[b] - 1.
+
+        src (B, A) int64. Entries of src past counts[b] may hold anything in [0, T): they copy
+        scratch to scratch. Example: len 7, src [0, 2, 5], count 3 -> slots 7, 9, 12 move to 7, 8, 9.
+        """
+        B, A = src.shape
+        dev = self.k.device
+        start = torch.tensor(self.lengths, device=dev)[:, None]  # (B, 1)
+        rows = torch.arange(B, device=dev)[:, None]  # (B, 1)
+        dst = start + torch.arange(A, device=dev)  # (B, A)
+        for cache in (self.k, self.v):
+            # Advanced indices on dims 1 and 3 move to the front: (B, A, L, Hkv, D).
+            picked = cache[:, rows, :, start + src]  # a copy, so overlapping src/dst is safe
+            cache[:, rows, :, dst] = picked
+        self.advance(counts)
+
+
+def attention_mask(
+    lengths: Sequence[int], num_new: int, new_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Mask (B, 1, T, K) over K = max(len) + T keys, True where query t of row b may attend.
+
+    Key slot s is visible to new token t of row b when s < len_b (committed prefix), or when
+    s = len_b + j and new_mask[b, t, j] (causal if new_mask is None). Returns None when no mask is
+    needed: no tree mask, every row the same length, and either one new token (it sees the whole
+    prefix) or no prefix at all (plain causal attention over the new tokens).
+    Example: lengths [2, 1], T 2, causal -> K 4; row 0: t0 sees slots 0-2, t1 sees 0-3;
+    row 1: t0 sees slots 0-1, t1 sees 0-2 (slot 3 is row 1's padding and stays hidden).
+    """
+    B = len(lengths)
+    if new_mask is None and min(lengths) == max(lengths) and (num_new == 1 or lengths[0] == 0):
+        return None
+    K = max(lengths) + num_new
+    length = torch.tensor(lengths, device=device)[:, None, None]  # (B, 1, 1)
+    s = torch.arange(K, device=device)[None, None, :]  # (1, 1, K)
+    t = torch.arange(num_new, device=device)[None, :, None]  # (1, T, 1)
+    if new_mask is None:
+        visible = s <= length + t  # (B, T, K): prefix plus causal among the new tokens
+    else:
+        j = s - length  # (B, 1, K): index among the new tokens, negative for the prefix
+        inside = (j >= 0) & (j < num_new)
+        picked = torch.gather(
+            new_mask, 2, j.clamp(0, num_new - 1).expand(B, num_new, K)
+        )  # (B, T, K): new_mask[b, t, j]
+        visible = (j < 0) | (inside & picked)
+    return visible[:, None]

@@ -1,0 +1,121 @@
+"""Command line: `eaglespec generate|pull`. Errors a user can act on print as one line, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from eaglespec.config import SamplingParams
+from eaglespec.errors import EaglespecError
+from eaglespec.registry import DEFAULT_MODEL, MODELS, list_models, pull
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    p.add_argument("prompt", help="the prompt text, or - to read it from standard input")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF folder")
+    p.add_argument("--raw", action="store_true", help="no chat template: the prompt as plain text")
+    p.add_argument("--system", help="system message for the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, help="seed for sampling (repeatable runs)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+
+def _add_pull(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("pull", help="download a registry model into the cache")
+    p.add_argument("name", nargs="?", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("--list", action="store_true", help="list the registry models")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eaglespec", description="LLM inference with EAGLE-3 speculative decoding"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_pull(sub)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from eaglespec.llm import LLM  # torch-heavy imports only for commands that need them
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    ids = llm.encode(prompt, chat=not args.raw, system=args.system)
+    output = None
+    for event in llm.stream([ids], params):
+        if not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        output = event.output or output
+    assert output is not None
+    stats = {**output.stats.to_dict(), "load_seconds": llm.loaded.seconds}
+    if args.json:
+        result = {
+            "model": str(llm.loaded.path),
+            "text": output.text,
+            "prompt_token_ids": output.prompt_token_ids,
+            "token_ids": output.token_ids,
+            "finish_reason": output.finish_reason,
+            "stats": stats,
+        }
+        print(json.dumps(result))
+    else:
+        print()
+        print(
+            f"[{stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tok/s decode, "
+            f"prefill {stats['prefill_seconds']:.2f} s ({stats['prompt_tokens']} tokens), "
+            f"load {stats['load_seconds']:.2f} s, {output.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    if args.list or not args.name:
+        for model, pulled in list_models():
+            mark = "pulled" if pulled else "-"
+            print(f"{model.name:22} {model.size / 1e6:8.0f} MB  {mark:7} {model.description}")
+        return 0
+    print(pull(args.name))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"generate": cmd_generate, "pull": cmd_pull}
+    try:
+        return commands[args.command](args)
+    except EaglespecError as e:
+        print(f"eaglespec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

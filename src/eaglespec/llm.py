@@ -1,0 +1,106 @@
+"""The public Python API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from eaglespec.config import ModelConfig, SamplingParams
+from eaglespec.generate import RequestOutput, StreamEvent, generate_stream
+from eaglespec.model.llama import Transformer
+from eaglespec.model.loader import LoadedModel, load_model
+from eaglespec.registry import DEFAULT_MODEL, resolve_model
+from eaglespec.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """A loaded target model with its tokenizer.
+
+    `model` is a registry name (pulled on first use), a GGUF file or a Hugging Face folder.
+    String prompts get the model's chat template when `chat=True` and the model has one.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        progress: bool = True,
+    ) -> None:
+        self.loaded: LoadedModel = load_model(
+            resolve_model(model, progress=progress), dtype=dtype, device=device
+        )
+
+    @property
+    def model(self) -> Transformer:
+        return self.loaded.model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.loaded.config
+
+    def encode(self, prompt: Prompt, *, chat: bool = True, system: str | None = None) -> list[int]:
+        """Token ids of a prompt: ids pass through, text gets the chat template or BOS handling."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if chat and self.tokenizer.chat_template:
+            messages = [{"role": "system", "content": system}] if system else []
+            return self.tokenizer.encode_chat([*messages, {"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool = True,
+    ) -> Iterator[StreamEvent]:
+        ids, plist = self._requests(prompts, params, chat)
+        return generate_stream(self.model, self.tokenizer, ids, plist)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool = True,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in order."""
+        outputs: dict[int, RequestOutput] = {}
+        for event in self.stream(prompts, params, chat=chat):
+            if event.output is not None:
+                outputs[event.index] = event.output
+        return [outputs[i] for i in sorted(outputs)]
+
+    def chat(
+        self, messages: Sequence[Message], params: SamplingParams | None = None
+    ) -> RequestOutput:
+        ids = self.tokenizer.encode_chat(list(messages))
+        return self.generate([ids], params)[0]
+
+    def _requests(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        chat: bool,
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        single = isinstance(prompts, str) or (
+            len(prompts) > 0 and isinstance(prompts[0], int)  # one list of ids
+        )
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        ids = [self.encode(p, chat=chat) for p in batch]
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(ids):
+            raise ValueError(f"{len(ids)} prompts but {len(plist)} SamplingParams")
+        return ids, plist

@@ -1,0 +1,1 @@
+"""The target model: layers, architecture, checkpoint loading and dequantization."""

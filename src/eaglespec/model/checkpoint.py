@@ -1,0 +1,209 @@
+"""Checkpoint readers: a GGUF file or a Hugging Face folder, seen through one interface.
+
+Both present an HF-style config dict and tensors under HF names (`model.layers.0.self_attn.q_proj.weight`),
+so `loader.py` maps one naming scheme onto the model. GGUF names are translated here, llama.cpp's Q/K
+row permutation is undone here, and quantized tensors are dequantized on read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from eaglespec.errors import ModelLoadError, UnsupportedArchitectureError
+from eaglespec.gguf_file import GGUFFile
+
+_GGUF_FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# llama.cpp tensor name -> HF name; `{i}` is the layer index.
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class Checkpoint(Protocol):
+    path: Path
+    config: dict[str, Any]  # HF config.json semantics
+
+    def names(self) -> set[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def load(self, name: str, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    if path.is_dir():
+        return HFCheckpoint.open(path)
+    if path.is_file():
+        return GGUFCheckpoint.open(path)
+    raise ModelLoadError(f"{path}: no such file or folder")
+
+
+@dataclass
+class GGUFCheckpoint:
+    path: Path
+    file: GGUFFile
+    config: dict[str, Any]
+    hf_to_gguf: dict[str, str]
+    rope_freq_factors: torch.Tensor | None = None  # llama3 scaling as stored by llama.cpp
+
+    @classmethod
+    def open(cls, path: Path) -> GGUFCheckpoint:
+        f = GGUFFile.open(path)
+        hf_to_gguf = {}
+        for name in f.tensors:
+            hf = _hf_name(name)
+            if hf is not None:
+                hf_to_gguf[hf] = name
+        factors = f.load("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
+        return cls(path, f, gguf_config(f), hf_to_gguf, factors)
+
+    def names(self) -> set[str]:
+        return set(self.hf_to_gguf)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file.tensors[self.hf_to_gguf[name]].shape
+
+    def load(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        t = self.file.load(self.hf_to_gguf[name], torch.float32)
+        if self.config["model_type"] == "llama" and re.search(r"\.(q|k)_proj\.", name):
+            heads_key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
+            t = unpermute_qk(t, self.config[heads_key])
+        return t.to(dtype)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight / bias
+    m = _GGUF_BLOCK.match(stem)
+    key = f"blk.{{i}}.{m.group(2)}" if m else stem
+    hf = _GGUF_NAMES.get(key)
+    if hf is None:
+        return None
+    return f"{hf.format(i=m.group(1)) if m else hf}.{suffix}"
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time row permutation of Q/K for `llama` files.
+
+    llama.cpp interleaves each head's two rotary halves (rows 0, D/2, 1, D/2+1, ...); HF keeps them as
+    two blocks. w (out, in) or a bias (out,), out = n_heads * D.
+    """
+    out = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *rest).transpose(1, 2).reshape(out, *rest)
+
+
+def gguf_config(f: GGUFFile) -> dict[str, Any]:
+    """GGUF metadata -> an HF-style config dict. Sizes come from the file, never from its name."""
+    meta = f.metadata
+    arch = meta.get("general.architecture", "<missing>")
+    if arch not in _GGUF_FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"{f.path}: unsupported architecture '{arch}' (supported: {', '.join(_GGUF_FAMILIES)})"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{f.path}: missing GGUF metadata key '{arch}.{key}'")
+        return value
+
+    if "token_embd.weight" not in f.tensors:
+        raise ModelLoadError(f"{f.path}: missing tensor 'token_embd.weight'")
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    cfg: dict[str, Any] = {
+        "architectures": [_GGUF_FAMILIES[arch]],
+        "model_type": arch,
+        "vocab_size": f.tensors["token_embd.weight"].shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+        "_name_or_path": str(meta.get("general.name", f.path.name)),
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        cfg["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": float(get("rope.scaling.factor")),
+            "original_max_position_embeddings": meta.get(
+                f"{arch}.rope.scaling.original_context_length"
+            ),
+        }
+    return cfg
+
+
+@dataclass
+class HFCheckpoint:
+    path: Path
+    config: dict[str, Any]
+    files: dict[str, Path] = field(default_factory=dict)  # tensor name -> safetensors shard
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path) -> HFCheckpoint:
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model folder)")
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{config_path}: invalid JSON ({e})") from None
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards:
+            raise ModelLoadError(f"{path}: no *.safetensors weights found")
+        ckpt = cls(path, config)
+        for shard in shards:
+            try:
+                with safe_open(str(shard), framework="pt") as st:
+                    for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        ckpt.files[name] = shard
+                        ckpt.shapes[name] = tuple(st.get_slice(name).get_shape())
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(f"{shard}: unreadable safetensors file ({e})") from None
+        return ckpt
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def load(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        shard = self.files[name]
+        try:
+            with safe_open(str(shard), framework="pt") as st:
+                return st.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{shard}: cannot read tensor {name} ({e})") from None

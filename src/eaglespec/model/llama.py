@@ -1,0 +1,164 @@
+"""The target model: one Llama-family decoder configured by `ModelConfig` (Llama 2/3, SmolLM2, Mistral,
+Qwen2/2.5, Qwen3).
+
+Dims: B batch, T new tokens, K attended keys, H / Hkv heads, D head dim, C hidden, V vocab, L layers.
+
+`forward` takes everything it needs as arguments: token ids, explicit RoPE positions (tree nodes share
+depths, so positions are not slots), the KV cache, an optional mask among the new tokens (a tree mask)
+and the boundaries whose hidden states to capture for an EAGLE-3 draft. Capture boundary b is the
+pre-norm residual stream after b decoder layers: b = 0 is the embedding output, b = L the final
+pre-norm state (not transformers' `hidden_states[-1]`, which is post-norm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eaglespec.cache import KVCache, attention_mask
+from eaglespec.config import ModelConfig
+from eaglespec.model.layers import (
+    GatedMLP,
+    RMSNorm,
+    apply_rope,
+    attend,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # (B, T', V) fp32; T' = T, or the number of `logit_index` columns
+    hidden: list[torch.Tensor]  # one (B, T, C) tensor per requested capture boundary, in order
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # q, k, v rows fused into one matmul: [q (H*D); k (Hkv*D); v (Hkv*D)]
+        self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, C)
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin (B, 1, T, D)
+        cache: KVCache,
+        layer: int,
+        mask: torch.Tensor | None,  # (B, 1, T, K) or None
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), *rope)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), *rope)  # (B, Hkv, T, D)
+        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        cache.write(layer, k, v)
+        if mask is None and T > 1:
+            out = attend(q, k, v, None, causal=True)  # no prefix: plain causal attention
+        else:
+            k_all, v_all = cache.view(layer, max(cache.lengths) + T)  # (B, Hkv, K, D)
+            out = attend(q, k_all, v_all, mask, causal=False)
+        return self.wo(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        layer: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache, layer, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor | None = None) -> None:
+        """`inv_freq` (D/2,) overrides the RoPE frequencies derived from `cfg` (GGUF files store
+        llama3 scaling as per-frequency factors); pass it when building on the meta device."""
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if inv_freq is None:
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,) fp32
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache.allocate(
+            num_layers=cfg.num_layers,
+            batch=batch,
+            num_kv_heads=cfg.num_kv_heads,
+            capacity=capacity,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T) int64
+        positions: torch.Tensor,  # (B, T) int64 RoPE positions
+        cache: KVCache,
+        attn_mask: torch.Tensor | None = None,  # (B, T, T) bool among new tokens; None = causal
+        capture: Sequence[int] = (),  # boundary indices b in [0, L]
+        logit_index: torch.Tensor | None = None,  # (B, T') columns of T to project; None = all
+    ) -> ForwardOutput:
+        """Writes the T new K/V entries after each row's committed length; the caller commits them
+        (`cache.advance` / `cache.keep`). Returns fp32 logits and the captured hidden states."""
+        B, T = input_ids.shape
+        assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
+        assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
+        cache.check_room(T)
+        L = self.cfg.num_layers
+        if any(not 0 <= b <= L for b in capture):
+            raise ValueError(f"capture boundaries must be in [0, {L}], got {list(capture)}")
+        mask = attention_mask(cache.lengths, T, attn_mask, self.device)
+        rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        x = self.embed(input_ids)  # (B, T, C)
+        hidden: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.layers):
+            if i in capture:
+                hidden[i] = x
+            x = block(x, rope, cache, i, mask)
+        if L in capture:
+            hidden[L] = x
+        if logit_index is not None:
+            rows = torch.arange(B, device=x.device)[:, None]
+            x = x[rows, logit_index]  # (B, T', C)
+        logits = self.lm_head(self.norm(x)).float()
+        return ForwardOutput(logits=logits, hidden=[hidden[b] for b in capture])

@@ -1,0 +1,125 @@
+"""Build a `Transformer` from a checkpoint: config from the checkpoint itself, the module on the meta
+device, then each parameter read once (dequantized, fused, cast) and assigned without copies."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eaglespec.config import ModelConfig
+from eaglespec.errors import InvalidRequestError, ModelLoadError
+from eaglespec.model.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint
+from eaglespec.model.layers import rope_inv_freq
+from eaglespec.model.llama import Transformer
+from eaglespec.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    seconds: float  # wall time of the whole load
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    key = aliases.get(name, name)
+    if key not in DTYPES:
+        raise InvalidRequestError(f"unknown dtype '{name}' (choose from {', '.join(DTYPES)})")
+    return DTYPES[key]
+
+
+def load_model(
+    path: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu"
+) -> LoadedModel:
+    start = time.perf_counter()
+    path = Path(path)
+    ckpt = open_checkpoint(path)
+    cfg = ModelConfig.from_hf_dict(ckpt.config, source=str(path))
+    model = build_model(ckpt, cfg, parse_dtype(dtype), torch.device(device))
+    if isinstance(ckpt, GGUFCheckpoint):
+        tokenizer = Tokenizer.from_gguf_metadata(ckpt.file.metadata)
+    else:
+        tokenizer = Tokenizer.from_hf_folder(path)
+    return LoadedModel(model, tokenizer, cfg, path, time.perf_counter() - start)
+
+
+def parameter_sources(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors concatenated (along dim 0) to make it."""
+    src: dict[str, list[str]] = {
+        "embed.weight": ["model.embed_tokens.weight"],
+        "norm.weight": ["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        src["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+        src[f"{ours}.attn_norm.weight"] = [f"{hf}.input_layernorm.weight"]
+        src[f"{ours}.mlp_norm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
+        src[f"{ours}.attn.wqkv.weight"] = [f"{attn}.{p}_proj.weight" for p in "qkv"]
+        src[f"{ours}.attn.wo.weight"] = [f"{attn}.o_proj.weight"]
+        src[f"{ours}.mlp.w13.weight"] = [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]
+        src[f"{ours}.mlp.w2.weight"] = [f"{mlp}.down_proj.weight"]
+        if cfg.qkv_bias:
+            src[f"{ours}.attn.wqkv.bias"] = [f"{attn}.{p}_proj.bias" for p in "qkv"]
+        if cfg.o_bias:
+            src[f"{ours}.attn.wo.bias"] = [f"{attn}.o_proj.bias"]
+        if cfg.mlp_bias:
+            src[f"{ours}.mlp.w13.bias"] = [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"]
+            src[f"{ours}.mlp.w2.bias"] = [f"{mlp}.down_proj.bias"]
+        if cfg.qk_norm:
+            src[f"{ours}.attn.q_norm.weight"] = [f"{attn}.q_norm.weight"]
+            src[f"{ours}.attn.k_norm.weight"] = [f"{attn}.k_norm.weight"]
+    return src
+
+
+def build_model(
+    ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> Transformer:
+    factors = ckpt.rope_freq_factors if isinstance(ckpt, GGUFCheckpoint) else None
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, factors)
+    with torch.device("meta"):
+        model = Transformer(cfg, inv_freq=inv_freq)
+    expected = dict(model.named_parameters())  # tied lm_head appears once, as embed.weight
+    available = ckpt.names()
+    state: dict[str, torch.Tensor] = {}
+    for ours, sources in parameter_sources(cfg).items():
+        want = tuple(expected[ours].shape)
+        parts = []
+        for name, rows in zip(sources, _split_rows(ours, want[0], cfg), strict=True):
+            if name not in available:
+                raise ModelLoadError(f"{ckpt.path}: missing tensor '{name}'")
+            if tuple(ckpt.shape(name)) != (rows, *want[1:]):
+                raise ModelLoadError(
+                    f"{ckpt.path}: tensor '{name}' has shape {tuple(ckpt.shape(name))}, "
+                    f"the config implies {(rows, *want[1:])}"
+                )
+            parts.append(ckpt.load(name, dtype))
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        state[ours] = tensor.to(device)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight  # assign=True replaced the shared Parameter
+    model.inv_freq = inv_freq.to(device)
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not left, f"parameters with no checkpoint source: {left}"
+    return model.eval().requires_grad_(False)
+
+
+def _split_rows(ours: str, rows: int, cfg: ModelConfig) -> list[int]:
+    """Rows each source contributes to a fused parameter (dim 0 of weight or bias)."""
+    if ".wqkv." in ours:
+        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    if ".w13." in ours:
+        return [cfg.intermediate_size, cfg.intermediate_size]
+    return [rows]

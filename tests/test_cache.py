@@ -1,0 +1,74 @@
+"""Static KV cache: writes, commits, gather-by-index and the attention mask, against hand-drawn cases."""
+
+from __future__ import annotations
+
+import torch
+
+from eaglespec.cache import KVCache, attention_mask
+
+
+def _cache(batch: int = 2, capacity: int = 16) -> KVCache:
+    return KVCache.allocate(
+        num_layers=2,
+        batch=batch,
+        num_kv_heads=1,
+        capacity=capacity,
+        head_dim=1,
+        dtype=torch.float32,
+    )
+
+
+def _entries(values: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)[:, None, :, None]  # (B, Hkv=1, T, D=1)
+
+
+def test_uniform_and_ragged_writes_land_after_each_row() -> None:
+    c = _cache()
+    c.write(0, _entries([[1, 2], [3, 4]]), _entries([[1, 2], [3, 4]]))
+    c.advance([2, 1])  # row 1 keeps only its first entry
+    c.write(0, _entries([[5], [6]]), _entries([[5], [6]]))  # ragged: slots 2 and 1
+    c.advance([1, 1])
+    assert c.lengths == [3, 2]
+    assert c.k[0, 0, 0, :3, 0].tolist() == [1, 2, 5]
+    assert c.k[0, 1, 0, :2, 0].tolist() == [3, 6]
+
+
+def test_keep_gathers_accepted_entries_to_the_front() -> None:
+    c = _cache()
+    c.advance([7, 2])
+    new = _entries([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]])
+    c.write(1, new, new)
+    # row 0 keeps new entries 0, 2, 5 (a root-to-leaf path); row 1 keeps entry 0 only.
+    c.keep(torch.tensor([[0, 2, 5], [0, 4, 4]]), counts=[3, 1])
+    assert c.lengths == [10, 3]
+    assert c.k[1, 0, 0, 7:10, 0].tolist() == [10, 12, 15]
+    assert c.v[1, 1, 0, 2, 0].item() == 20
+
+
+def test_truncate_and_select_rows() -> None:
+    c = _cache(batch=3)
+    c.write(0, _entries([[1], [2], [3]]), _entries([[1], [2], [3]]))
+    c.advance([1, 1, 1])
+    c.truncate([1, 0, 1])
+    sub = c.select_rows([2, 0])
+    assert sub.lengths == [1, 1]
+    assert sub.k[0, :, 0, 0, 0].tolist() == [3, 1]
+
+
+def test_attention_mask_prefix_causal_and_padding() -> None:
+    m = attention_mask([2, 1], 2, None, torch.device("cpu"))
+    assert m is not None and m.shape == (2, 1, 2, 4)
+    assert m[0, 0].int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert m[1, 0].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
+
+
+def test_attention_mask_tree() -> None:
+    tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)  # root, 2 children
+    m = attention_mask([2], 3, tree, torch.device("cpu"))
+    assert m is not None
+    assert m[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+
+
+def test_attention_mask_fast_paths_return_none() -> None:
+    assert attention_mask([5, 5], 1, None, torch.device("cpu")) is None  # decode step
+    assert attention_mask([0, 0], 7, None, torch.device("cpu")) is None  # fresh prompt
