@@ -1,0 +1,36 @@
+"""The command line, run as a user would: `python -m eaglespec generate ...` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from eaglespec.cli import main
+
+
+def test_generate_json_has_text_ids_and_stats(tiny_hf_folder: Path) -> None:
+    cmd = [sys.executable, "-m", "eaglespec", "generate", "--model", str(tiny_hf_folder)]
+    cmd += ["--json", "--max-tokens", "6", "--ignore-eos", "Once upon a time"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(proc.stdout)
+    assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
+    assert result["prompt_token_ids"] and isinstance(result["text"], str)
+    stats = result["stats"]
+    for key in ("new_tokens", "tokens_per_second", "prefill_seconds", "decode_seconds"):
+        assert key in stats
+    assert stats["new_tokens"] == 6
+
+
+def test_generate_streams_text_then_report(tiny_hf_folder: Path, capsys) -> None:
+    args = ["generate", "--model", str(tiny_hf_folder), "--raw", "--max-tokens", "4", "Once"]
+    assert main([*args, "--ignore-eos", "--seed", "3", "--temperature", "0.8"]) == 0
+    captured = capsys.readouterr()
+    assert "4 tokens" in captured.err and "tok/s" in captured.err
+
+
+def test_pull_list(capsys) -> None:
+    assert main(["pull", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "qwen2.5-coder-1.5b" in out
