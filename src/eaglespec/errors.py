@@ -27,3 +27,7 @@ class InvalidRequestError(EaglespecError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt leaves no room to generate within the model's context."""
+
+
+class ChatTemplateError(EaglespecError):
+    """A chat template refused the conversation (its `raise_exception`) or failed to render."""
