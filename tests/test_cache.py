@@ -1,4 +1,5 @@
-"""Static KV cache: writes, commits, gather-by-index and the attention mask, against hand-drawn cases."""
+"""Static KV cache: writes, commits, gather-by-index and the attention mask, against hand-drawn
+cases."""
 
 from __future__ import annotations
 

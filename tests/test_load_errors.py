@@ -40,7 +40,9 @@ def test_missing_tensor_is_named(folder: Path) -> None:
 
 def test_wrong_shape_is_named(folder: Path) -> None:
     _edit_config(folder, intermediate_size=96)
-    with pytest.raises(ModelLoadError, match=r"gate_proj\.weight' has shape \(128, 64\).*\(96, 64\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"gate_proj\.weight' has shape \(128, 64\).*\(96, 64\)"
+    ):
         load_model(folder)
 
 
@@ -90,7 +92,9 @@ def test_cli_prints_one_line_and_exits_2(folder: Path, capsys: pytest.CaptureFix
     _edit_config(folder, architectures=["FalconForCausalLM"], model_type="falcon")
     assert main(["generate", "--model", str(folder), "hi"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "FalconForCausalLM" in err and err.startswith("eaglespec: error")
+    assert (
+        err.count("\n") == 0 and "FalconForCausalLM" in err and err.startswith("eaglespec: error")
+    )
     assert main(["generate", "--model", "no-such-model", "hi"]) == 2
     assert "unknown model" in capsys.readouterr().err
 

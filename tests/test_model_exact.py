@@ -55,7 +55,8 @@ VARIANTS = {
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(hf_model, our_model) with identical random weights, saved and reloaded through safetensors."""
+    """(hf_model, our_model) with identical random weights, saved and reloaded through
+    safetensors."""
     config_cls, model_cls, extra = VARIANTS[request.param]
     torch.manual_seed(0)
     hf_cfg = getattr(transformers, config_cls)(**{**BASE, **extra})

@@ -1,6 +1,9 @@
-"""Static, preallocated KV cache and the attention masks over it. Pure tensor code: no model imports.
+"""Static, preallocated KV cache and the attention masks over it.
 
-Dims: L layers, B batch rows, Hkv KV heads, S capacity, D head dim, T new tokens, K attended keys, A kept.
+Pure tensor code: no model imports.
+
+Dims: L layers, B batch rows, Hkv KV heads, S capacity, D head dim, T new tokens, K attended keys,
+A kept.
 
 Layout is layer-major, (L, B, Hkv, S, D), so each layer's slice `k[l]` is one contiguous
 (B, Hkv, S, D) block that SDPA reads directly.
@@ -105,7 +108,10 @@ class KVCache:
         self.lengths = list(lengths)
 
     def select_rows(self, rows: Sequence[int]) -> KVCache:
-        """A cache holding only the given rows, in that order (finished sequences leave the batch)."""
+        """A cache holding only the given rows, in that order.
+
+        Finished sequences leave the batch this way.
+        """
         idx = torch.tensor(list(rows), device=self.k.device)
         return KVCache(
             k=self.k.index_select(1, idx),
@@ -118,7 +124,8 @@ class KVCache:
         increasing), moved to slots len_b .. len_b + counts[b] - 1.
 
         src (B, A) int64. Entries of src past counts[b] may hold anything in [0, T): they copy
-        scratch to scratch. Example: len 7, src [0, 2, 5], count 3 -> slots 7, 9, 12 move to 7, 8, 9.
+        scratch to scratch.
+        Example: len 7, src [0, 2, 5], count 3 -> slots 7, 9, 12 move to 7, 8, 9.
         """
         B, A = src.shape
         dev = self.k.device

@@ -1,4 +1,7 @@
-"""Command line: `eaglespec generate|pull`. Errors a user can act on print as one line, exit code 2."""
+"""Command line: `eaglespec generate|pull`.
+
+Errors a user can act on print as one line, with exit code 2.
+"""
 
 from __future__ import annotations
 

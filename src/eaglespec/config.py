@@ -1,4 +1,5 @@
-"""Frozen configuration dataclasses, built from checkpoints by explicit constructors, never from file names.
+"""Frozen configuration dataclasses, built from checkpoints by explicit constructors, never from
+file names.
 
 `ModelConfig` describes one Llama-family target (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3).
 `SamplingParams` is per-request data; it never holds engine settings.
@@ -55,8 +56,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
+            supported = ", ".join(SUPPORTED_FAMILIES)
             raise UnsupportedArchitectureError(
-                f"unsupported architecture '{self.family}' (supported: {', '.join(SUPPORTED_FAMILIES)})"
+                f"unsupported architecture '{self.family}' (supported: {supported})"
             )
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(

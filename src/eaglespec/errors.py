@@ -1,4 +1,7 @@
-"""Errors a user can act on. Each message names the file or value at fault and the problem, in one line."""
+"""Errors a user can act on.
+
+Each message names the file or value at fault and the problem, in one line.
+"""
 
 
 class EaglespecError(Exception):

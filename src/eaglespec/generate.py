@@ -16,7 +16,7 @@ import torch
 from eaglespec.cache import KVCache
 from eaglespec.config import SamplingParams
 from eaglespec.errors import InvalidRequestError, PromptTooLongError
-from eaglespec.model.llama import Transformer
+from eaglespec.model.llama import ForwardOutput, Transformer
 from eaglespec.sampling import SamplingTensors, apply_repetition_penalty, probs_from_logits, sample
 from eaglespec.textstream import TextStream
 from eaglespec.tokenizer import Tokenizer
@@ -94,7 +94,9 @@ def generate_stream(
         )
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     ]
-    capacity = min(limit, max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)))
+    capacity = min(
+        limit, max(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
+    )
     cache = model.new_cache(len(seqs), capacity)
     st = SamplingTensors.from_params(params, device)
     seen = _seen_mask(prompts, model.cfg.vocab_size, device) if st.any_penalty else None
@@ -138,7 +140,9 @@ def _prefill(model: Transformer, cache: KVCache, prompts: Sequence[Sequence[int]
         ids[b, : len(p)] = torch.tensor(list(p))
     positions = torch.arange(T)[None].expand(len(prompts), T)
     last = torch.tensor([[len(p) - 1] for p in prompts])  # (B, 1)
-    out = model(ids.to(device), positions.to(device), cache, logit_index=last.to(device))
+    out: ForwardOutput = model(
+        ids.to(device), positions.to(device), cache, logit_index=last.to(device)
+    )
     cache.advance([len(p) for p in prompts])
     return out.logits[:, 0]
 

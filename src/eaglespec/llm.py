@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
@@ -96,7 +97,10 @@ class LLM:
         single = isinstance(prompts, str) or (
             len(prompts) > 0 and isinstance(prompts[0], int)  # one list of ids
         )
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        # mypy cannot narrow the union from the element check above, so the casts state it.
+        batch: list[Prompt] = (
+            [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
+        )
         ids = [self.encode(p, chat=chat) for p in batch]
         if params is None:
             params = SamplingParams()

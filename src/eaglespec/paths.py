@@ -1,4 +1,7 @@
-"""Where eaglespec keeps downloaded models: `$EAGLESPEC_HOME` when set, else the platform's user cache."""
+"""Where eaglespec keeps downloaded models.
+
+`$EAGLESPEC_HOME` when set, else the platform's user cache.
+"""
 
 import os
 from pathlib import Path

@@ -2,9 +2,9 @@
 
 Dims: B batch rows, V vocabulary.
 Order of processing as in transformers' `generate`: repetition penalty, temperature, top-k, top-p,
-min-p. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from
-p without a cumulative sum or a host sync; each row draws its noise from its own `torch.Generator`
-so seeded requests repeat bitwise whatever else is in the batch.
+min-p. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly
+from p without a cumulative sum or a host sync; each row draws its noise from its own
+`torch.Generator` so seeded requests repeat bitwise whatever else is in the batch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Checkpoint readers: a GGUF file or a Hugging Face folder, seen through one interface.
 
-Both present an HF-style config dict and tensors under HF names (`model.layers.0.self_attn.q_proj.weight`),
-so `loader.py` maps one naming scheme onto the model. GGUF names are translated here, llama.cpp's Q/K
-row permutation is undone here, and quantized tensors are dequantized on read.
+Both present an HF-style config dict and tensors under HF names
+(`model.layers.0.self_attn.q_proj.weight`), so `loader.py` maps one naming scheme onto the model.
+GGUF names are translated here, llama.cpp's Q/K row permutation is undone here, and quantized
+tensors are dequantized on read.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def _hf_name(gguf_name: str) -> str | None:
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time row permutation of Q/K for `llama` files.
 
-    llama.cpp interleaves each head's two rotary halves (rows 0, D/2, 1, D/2+1, ...); HF keeps them as
-    two blocks. w (out, in) or a bias (out,), out = n_heads * D.
+    llama.cpp interleaves each head's two rotary halves (rows 0, D/2, 1, D/2+1, ...); HF keeps them
+    as two blocks. w (out, in) or a bias (out,), out = n_heads * D.
     """
     out = w.shape[0]
     rest = w.shape[1:]
@@ -204,6 +205,7 @@ class HFCheckpoint:
         shard = self.files[name]
         try:
             with safe_open(str(shard), framework="pt") as st:
-                return st.get_tensor(name).to(dtype)
+                t: torch.Tensor = st.get_tensor(name)
+                return t.to(dtype)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{shard}: cannot read tensor {name} ({e})") from None

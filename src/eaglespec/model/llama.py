@@ -1,13 +1,14 @@
-"""The target model: one Llama-family decoder configured by `ModelConfig` (Llama 2/3, SmolLM2, Mistral,
-Qwen2/2.5, Qwen3).
+"""The target model: one Llama-family decoder configured by `ModelConfig` (Llama 2/3, SmolLM2,
+Mistral, Qwen2/2.5, Qwen3).
 
-Dims: B batch, T new tokens, K attended keys, H / Hkv heads, D head dim, C hidden, V vocab, L layers.
+Dims: B batch, T new tokens, K attended keys, H / Hkv heads, D head dim, C hidden, V vocab,
+L layers.
 
-`forward` takes everything it needs as arguments: token ids, explicit RoPE positions (tree nodes share
-depths, so positions are not slots), the KV cache, an optional mask among the new tokens (a tree mask)
-and the boundaries whose hidden states to capture for an EAGLE-3 draft. Capture boundary b is the
-pre-norm residual stream after b decoder layers: b = 0 is the embedding output, b = L the final
-pre-norm state (not transformers' `hidden_states[-1]`, which is post-norm).
+`forward` takes everything it needs as arguments: token ids, explicit RoPE positions (tree nodes
+share depths, so positions are not slots), the KV cache, an optional mask among the new tokens (a
+tree mask) and the boundaries whose hidden states to capture for an EAGLE-3 draft. Capture boundary
+b is the pre-norm residual stream after b decoder layers: b = 0 is the embedding output, b = L the
+final pre-norm state (not transformers' `hidden_states[-1]`, which is post-norm).
 """
 
 from __future__ import annotations
@@ -49,28 +50,31 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, C)
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin (B, 1, T, D)
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
         cache: KVCache,
         layer: int,
         mask: torch.Tensor | None,  # (B, 1, T, K) or None
     ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
-        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), *rope)  # (B, H, T, D)
-        k = apply_rope(k.transpose(1, 2), *rope)  # (B, Hkv, T, D)
-        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+            qk = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])), 2)
+        else:
+            qk = qkv[:, :, : H + Hkv]
+        qk = apply_rope(qk, *rope)  # (B, T, H + Hkv, D): q and k heads rotated in one pass
+        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
+        v = qkv[:, :, H + Hkv :].transpose(1, 2)  # (B, Hkv, T, D)
         cache.write(layer, k, v)
         if mask is None and T > 1:
             out = attend(q, k, v, None, causal=True)  # no prefix: plain causal attention
         else:
             k_all, v_all = cache.view(layer, max(cache.lengths) + T)  # (B, Hkv, K, D)
             out = attend(q, k_all, v_all, mask, causal=False)
-        return self.wo(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+        y: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+        return y
 
 
 class Block(nn.Module):
@@ -90,10 +94,13 @@ class Block(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, cache, layer, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        y: torch.Tensor = x + self.mlp(self.mlp_norm(x))
+        return y
 
 
 class Transformer(nn.Module):
+    inv_freq: torch.Tensor  # buffer, registered in __init__
+
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor | None = None) -> None:
         """`inv_freq` (D/2,) overrides the RoPE frequencies derived from `cfg` (GGUF files store
         llama3 scaling as per-frequency factors); pass it when building on the meta device."""

@@ -1,5 +1,6 @@
-"""Build a `Transformer` from a checkpoint: config from the checkpoint itself, the module on the meta
-device, then each parameter read once (dequantized, fused, cast) and assigned without copies."""
+"""Build a `Transformer` from a checkpoint: config from the checkpoint itself, the module on the
+meta device, then each parameter read once (dequantized, fused, cast) and assigned without copies.
+"""
 
 from __future__ import annotations
 

