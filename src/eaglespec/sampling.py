@@ -107,15 +107,44 @@ def _filter(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return scaled.masked_fill(mask, float("-inf"))
 
 
+class RowRandom:
+    """Random draws for a batch: each row from its own generator, so a seeded request repeats
+    bitwise whatever else is in the batch, or the whole batch from one shared generator (one call
+    per draw, for large batches of identical requests such as distribution tests). None stands
+    for torch's global generator."""
+
+    def __init__(self, generators: Sequence[torch.Generator | None] | torch.Generator | None):
+        self._per_row = not (generators is None or isinstance(generators, torch.Generator))
+        self._generators = generators
+
+    def uniform(self, batch: int, n: int, device: torch.device | str) -> torch.Tensor:
+        """(B, n) i.i.d. U[0, 1)."""
+        if not self._per_row:
+            gen = self._generators
+            assert gen is None or isinstance(gen, torch.Generator)
+            return torch.rand(batch, n, device=device, generator=gen)
+        gens = list(self._generators)  # type: ignore[arg-type]
+        assert len(gens) == batch, f"{len(gens)} generators for {batch} rows"
+        return torch.stack([torch.rand(n, device=device, generator=g) for g in gens])
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs (B, V) -> tokens (B,) int64 by the exponential race: argmax(p / E), E ~ Exp(1)
+        i.i.d., picks token i with probability p_i (no cumulative sum, no host sync)."""
+        noise = torch.empty_like(probs)
+        if not self._per_row:
+            gen = self._generators
+            assert gen is None or isinstance(gen, torch.Generator)
+            noise.exponential_(1.0, generator=gen)
+        else:
+            for row, g in enumerate(self._generators):  # type: ignore[arg-type]
+                noise[row].exponential_(1.0, generator=g)
+        return (probs / noise).argmax(-1)
+
+
 def sample(
     probs: torch.Tensor, generators: Sequence[torch.Generator | None], greedy: bool
 ) -> torch.Tensor:
-    """probs (B, V) -> tokens (B,) int64. One generator per row (None = the global RNG).
-
-    Exponential race: argmax(p / E), E ~ Exp(1) i.i.d., picks token i with probability p_i."""
+    """probs (B, V) -> tokens (B,) int64. One generator per row (None = the global RNG)."""
     if greedy:
         return probs.argmax(-1)
-    noise = torch.empty_like(probs)
-    for row, gen in enumerate(generators):
-        noise[row].exponential_(1.0, generator=gen)
-    return (probs / noise).argmax(-1)
+    return RowRandom(generators).sample(probs)

@@ -1,0 +1,116 @@
+"""Draft trees and the tensors the target's verification forward needs. Pure tensor code.
+
+Dims: B batch rows, N tree nodes (node 0 is the root), D max depth, V vocabulary.
+
+A tree is given by its node tokens and parent indices, in topological order (parents[i] < i):
+
+        root(0)                     tokens  [t0, a, b, c]
+        ├── a(1) ── c(3)            parents [-1, 0, 0, 1]
+        └── b(2)                    depth   [0, 1, 1, 2]
+
+    mask (ancestor-or-self):        paths (root -> node, -1 padded, width D + 1):
+        0: 1 0 0 0                      0: [0, -1, -1]
+        1: 1 1 0 0                      1: [0,  1, -1]
+        2: 1 0 1 0                      2: [0,  2, -1]
+        3: 1 1 0 1                      3: [0,  1,  3]
+
+The root is the last token the target sampled; it is not in the target's cache yet, so the verify
+forward runs all N nodes at positions `prefix_len + depth` with `mask` as the attention mask among
+them. Every node's root path is a candidate (a prefix of a leaf path is a candidate too), so
+verification picks the deepest fully accepted node and needs no list of leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    tokens: torch.Tensor  # (B, N) int64 target-vocabulary ids; tokens[:, 0] is the root
+    parents: torch.Tensor  # (B, N) int64, -1 for the root, parents[i] < i
+    depth: torch.Tensor  # (B, N) int64, 0 for the root
+    mask: torch.Tensor  # (B, N, N) bool, mask[b, i, j]: j is i or an ancestor of i
+    paths: torch.Tensor  # (B, N, D + 1) int64, node indices root -> i, -1 padded
+    children: torch.Tensor  # (B, N, K) int64, the children of each node in index order, -1 padded
+    draft_probs: torch.Tensor | None  # (B, N, V) q each node's token was drawn from; None: picked
+    max_depth: int  # D, host side: bounds the verification loop without a sync
+    max_children: int  # K, host side
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+def build_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    max_depth: int,
+    max_children: int,
+    draft_probs: torch.Tensor | None = None,
+) -> DraftTree:
+    """Derive depth, mask, paths and children from tokens (B, N) and parents (B, N).
+
+    `max_depth` / `max_children` are the bounds the builder knows by construction (a chain of k
+    tokens: k and 1; a top-k tree of depth d: d and k); they are not checked against the data."""
+    B, N = tokens.shape
+    dev = tokens.device
+    idx = torch.arange(N, device=dev)
+    # Transitive closure by squaring: M = I | parent-edge, then M <- M M until paths of length
+    # >= N are covered (ceil(log2 N) rounds of a (B, N, N) matmul; N is small).
+    edge = torch.zeros(B, N, N, device=dev)
+    has_parent = parents >= 0  # (B, N)
+    rows = torch.arange(B, device=dev)[:, None].expand(B, N)
+    edge[rows[has_parent], idx.expand(B, N)[has_parent], parents[has_parent]] = 1.0
+    reach = edge + torch.eye(N, device=dev)
+    for _ in range(max(1, (N - 1).bit_length())):
+        reach = (reach @ reach).clamp_(max=1.0)
+    mask = reach > 0
+    depth = mask.sum(-1) - 1  # ancestors excluding self
+    # paths[b, i, depth[j]] = j for every ancestor-or-self j of i (one j per depth, so amax picks it).
+    width = max_depth + 1
+    src = torch.where(mask, idx, -1)  # (B, N, N)
+    slot = depth[:, None, :].expand(B, N, N).clamp(max=width - 1)
+    paths = torch.full((B, N, width), -1, dtype=torch.long, device=dev)
+    paths.scatter_reduce_(2, slot, src, reduce="amax")
+    children = _children(parents, max_children)
+    return DraftTree(
+        tokens, parents, depth, mask, paths, children, draft_probs, max_depth, max_children
+    )
+
+
+def _children(parents: torch.Tensor, max_children: int) -> torch.Tensor:
+    """(B, N, K) children of each node in index order. Example: parents [-1, 0, 0, 1] ->
+    children[0] = [1, 2], children[1] = [3, -1], children[2] = children[3] = [-1, -1]."""
+    B, N = parents.shape
+    dev = parents.device
+    idx = torch.arange(N, device=dev)
+    same = parents[:, :, None] == parents[:, None, :]  # (B, N, N): j, j' share a parent
+    earlier = idx[None, :] < idx[:, None]  # (N, N): j' < j
+    rank = (same & earlier).sum(-1)  # (B, N): position of j among its siblings
+    children = torch.full((B, N + 1, max_children + 1), -1, dtype=torch.long, device=dev)
+    # Roots (parent -1) and ranks past K land in the spare row / column, dropped below.
+    parent_slot = torch.where(parents >= 0, parents, N)
+    rank_slot = rank.clamp(max=max_children)
+    rows = torch.arange(B, device=dev)[:, None].expand(B, N)
+    children[rows, parent_slot, rank_slot] = idx.expand(B, N)
+    return children[:, :N, :max_children]
+
+
+def chain_tree(
+    root: torch.Tensor, draft: torch.Tensor, draft_probs: torch.Tensor | None = None
+) -> DraftTree:
+    """A chain: root (B,) then k draft tokens (B, k), each the child of the one before."""
+    B, k = draft.shape
+    tokens = torch.cat([root[:, None], draft], dim=1)  # (B, k + 1)
+    parents = torch.arange(-1, k, device=draft.device).expand(B, k + 1)
+    return build_tree(tokens, parents, max_depth=k, max_children=1, draft_probs=draft_probs)
+
+
+def verify_positions(tree: DraftTree, prefix_len: torch.Tensor) -> torch.Tensor:
+    """RoPE positions of the nodes: prefix_len (B,) + depth. Prefix 7, depths [0, 1, 1, 2] ->
+    [7, 8, 8, 9]."""
+    return prefix_len[:, None] + tree.depth
