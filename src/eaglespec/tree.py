@@ -70,7 +70,7 @@ def build_tree(
         reach = (reach @ reach).clamp_(max=1.0)
     mask = reach > 0
     depth = mask.sum(-1) - 1  # ancestors excluding self
-    # paths[b, i, depth[j]] = j for every ancestor-or-self j of i (one j per depth, so amax picks it).
+    # paths[b, i, depth[j]] = j for each ancestor-or-self j of i (one j per depth: amax picks it).
     width = max_depth + 1
     src = torch.where(mask, idx, -1)  # (B, N, N)
     slot = depth[:, None, :].expand(B, N, N).clamp(max=width - 1)
