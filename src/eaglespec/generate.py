@@ -9,69 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 
 from eaglespec.cache import KVCache
 from eaglespec.config import SamplingParams
-from eaglespec.errors import InvalidRequestError, PromptTooLongError
 from eaglespec.model.llama import ForwardOutput, Transformer
+from eaglespec.requests import StreamEvent, account_time, append_token, new_states
 from eaglespec.sampling import SamplingTensors, apply_repetition_penalty, probs_from_logits, sample
-from eaglespec.textstream import TextStream
 from eaglespec.tokenizer import Tokenizer
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int
-    new_tokens: int = 0
-    prefill_seconds: float = 0.0  # prompt forward up to the first sampled token
-    decode_seconds: float = 0.0  # everything after the first token
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Decode speed: tokens after the first, over the time spent producing them."""
-        return (self.new_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    def to_dict(self) -> dict[str, float | int]:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
-
-
-@dataclass
-class RequestOutput:
-    index: int  # position of the request in the batch it came with
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)  # generated ids, without a final EOS
-    text: str = ""
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
-    stats: GenerationStats = field(default_factory=lambda: GenerationStats(0))
-
-
-@dataclass
-class StreamEvent:
-    index: int  # which request
-    text: str  # newly released text (may be empty while a stop string could still form)
-    token_ids: list[int]  # newly generated ids
-    output: RequestOutput | None = None  # set on the request's last event
-
-
-@dataclass
-class _Sequence:
-    out: RequestOutput
-    params: SamplingParams
-    stream: TextStream
-    generator: torch.Generator | None
-
-
-def check_prompt(prompt: Sequence[int], limit: int) -> None:
-    if not prompt:
-        raise InvalidRequestError("empty prompt: at least one token is needed")
-    if len(prompt) >= limit:
-        raise PromptTooLongError(
-            f"prompt has {len(prompt)} tokens; the model's context is {limit}, "
-            "so no room is left to generate"
-        )
 
 
 def generate_stream(
@@ -82,18 +28,8 @@ def generate_stream(
 ) -> Iterator[StreamEvent]:
     """Yields events as tokens arrive; each request's last event carries its `RequestOutput`."""
     limit = model.cfg.context_limit
-    for p in prompts:
-        check_prompt(p, limit)
     device = model.device
-    seqs = [
-        _Sequence(
-            out=RequestOutput(i, list(p), stats=GenerationStats(len(p))),
-            params=sp,
-            stream=TextStream(tokenizer.stream_decoder(p), sp.stop),
-            generator=None if sp.seed is None else torch.Generator(device).manual_seed(sp.seed),
-        )
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-    ]
+    seqs = new_states(prompts, params, tokenizer, limit, device)
     capacity = min(
         limit, max(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
     )
@@ -111,8 +47,8 @@ def generate_stream(
         now = time.perf_counter()
         keep = []
         for row, (seq, tid) in enumerate(zip(active, ids, strict=True)):
-            _account_time(seq.out.stats, start, now)
-            event = _append(seq, tid, eos, cache.lengths[row] + 1 >= limit)
+            account_time(seq.out.stats, start, now)
+            event = append_token(seq, tid, eos, cache.lengths[row] + 1 >= limit)
             yield event
             if event.output is None:
                 keep.append(row)
@@ -166,31 +102,3 @@ def _next_tokens(
     if st.all_greedy:
         return logits.argmax(-1)
     return sample(probs_from_logits(logits, st), generators, greedy=False)
-
-
-def _account_time(stats: GenerationStats, start: float, now: float) -> None:
-    if stats.new_tokens == 0:
-        stats.prefill_seconds = now - start
-    else:
-        stats.decode_seconds = now - start - stats.prefill_seconds
-
-
-def _append(seq: _Sequence, tid: int, eos: set[int], context_full: bool) -> StreamEvent:
-    """Record one sampled token; finish the request when it ends generation."""
-    out, sp = seq.out, seq.params
-    ends = not sp.ignore_eos and tid in eos or tid in sp.stop_token_ids
-    text = ""
-    if not ends:
-        out.token_ids.append(tid)
-        out.stats.new_tokens += 1
-        text = seq.stream.push(tid)
-    if ends or seq.stream.stopped:
-        out.finish_reason = "stop"
-    elif len(out.token_ids) >= sp.max_tokens or context_full:
-        out.finish_reason = "length"
-        text += seq.stream.finish()
-    if out.finish_reason == "stop" and not seq.stream.stopped:
-        text += seq.stream.finish()
-    out.text = seq.stream.text
-    new_ids = [] if ends else [tid]
-    return StreamEvent(out.index, text, new_ids, out if out.finish_reason else None)

@@ -8,10 +8,11 @@ from typing import cast
 import torch
 
 from eaglespec.config import ModelConfig, SamplingParams
-from eaglespec.generate import RequestOutput, StreamEvent, generate_stream
+from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.registry import DEFAULT_MODEL, resolve_model
+from eaglespec.requests import RequestOutput, StreamEvent
 from eaglespec.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]

@@ -1,0 +1,149 @@
+"""Per-request bookkeeping shared by plain and speculative decoding: outputs, stream events,
+stop rules and timing. No tensor math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from eaglespec.config import SamplingParams
+from eaglespec.errors import InvalidRequestError, PromptTooLongError
+from eaglespec.textstream import TextStream
+from eaglespec.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0  # prompt forward up to the first sampled token
+    decode_seconds: float = 0.0  # everything after the first token
+    # Speculative decoding only (rounds stays 0 for plain decoding):
+    rounds: int = 0  # target verification forwards
+    accepted_tokens: int = 0  # draft tokens accepted over all rounds
+    draft_tokens: int = 0  # draft tokens proposed over all rounds
+    accepted_by_position: list[int] = field(default_factory=list)  # [j]: rounds accepting >= j+1
+    proposed_by_position: list[int] = field(default_factory=list)  # [j]: rounds proposing >= j+1
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode speed: tokens after the first, over the time spent producing them."""
+        return (self.new_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens per target verification forward, the bonus or recovered token included."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def accept_rate_by_position(self) -> list[float]:
+        return [
+            a / p if p else 0.0
+            for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=True)
+        ]
+
+    def record_round(self, proposed: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        grow = proposed - len(self.proposed_by_position)
+        if grow > 0:
+            self.proposed_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for j in range(proposed):
+            self.proposed_by_position[j] += 1
+            self.accepted_by_position[j] += int(j < accepted)
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {**asdict(self), "tokens_per_second": self.tokens_per_second}
+        if self.rounds:
+            d["mean_accept_length"] = self.mean_accept_length
+            d["accept_rate_by_position"] = self.accept_rate_by_position
+        return d
+
+
+@dataclass
+class RequestOutput:
+    index: int  # position of the request in the batch it came with
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated ids, without a final EOS
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
+    stats: GenerationStats = field(default_factory=lambda: GenerationStats(0))
+
+
+@dataclass
+class StreamEvent:
+    index: int  # which request
+    text: str  # newly released text (may be empty while a stop string could still form)
+    token_ids: list[int]  # newly generated ids
+    output: RequestOutput | None = None  # set on the request's last event
+
+
+@dataclass
+class RequestState:
+    out: RequestOutput
+    params: SamplingParams
+    stream: TextStream
+    generator: torch.Generator | None
+
+
+def check_prompt(prompt: Sequence[int], limit: int) -> None:
+    if not prompt:
+        raise InvalidRequestError("empty prompt: at least one token is needed")
+    if len(prompt) >= limit:
+        raise PromptTooLongError(
+            f"prompt has {len(prompt)} tokens; the model's context is {limit}, "
+            "so no room is left to generate"
+        )
+
+
+def new_states(
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    tokenizer: Tokenizer,
+    limit: int,
+    device: torch.device,
+) -> list[RequestState]:
+    for p in prompts:
+        check_prompt(p, limit)
+    return [
+        RequestState(
+            out=RequestOutput(i, list(p), stats=GenerationStats(len(p))),
+            params=sp,
+            stream=TextStream(tokenizer.stream_decoder(p), sp.stop),
+            generator=None if sp.seed is None else torch.Generator(device).manual_seed(sp.seed),
+        )
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+
+
+def account_time(stats: GenerationStats, start: float, now: float) -> None:
+    if stats.new_tokens == 0:
+        stats.prefill_seconds = now - start
+    else:
+        stats.decode_seconds = now - start - stats.prefill_seconds
+
+
+def append_token(seq: RequestState, tid: int, eos: set[int], context_full: bool) -> StreamEvent:
+    """Record one sampled token; finish the request when it ends generation."""
+    out, sp = seq.out, seq.params
+    ends = not sp.ignore_eos and tid in eos or tid in sp.stop_token_ids
+    text = ""
+    if not ends:
+        out.token_ids.append(tid)
+        out.stats.new_tokens += 1
+        text = seq.stream.push(tid)
+    if ends or seq.stream.stopped:
+        out.finish_reason = "stop"
+    elif len(out.token_ids) >= sp.max_tokens or context_full:
+        out.finish_reason = "length"
+        text += seq.stream.finish()
+    if out.finish_reason == "stop" and not seq.stream.stopped:
+        text += seq.stream.finish()
+    out.text = seq.stream.text
+    new_ids = [] if ends else [tid]
+    return StreamEvent(out.index, text, new_ids, out if out.finish_reason else None)
