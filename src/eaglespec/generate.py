@@ -42,7 +42,7 @@ def generate_stream(
     logits = _prefill(model, cache, prompts)
     active = list(seqs)
     while True:
-        tokens = _next_tokens(logits, st, seen, [s.generator for s in active])
+        tokens = next_tokens(logits, st, seen, [s.generator for s in active])
         ids = tokens.tolist()  # sync: the step's tokens, for streaming and stop checks
         now = time.perf_counter()
         keep = []
@@ -67,19 +67,25 @@ def generate_stream(
         cache.advance([1] * len(active))
 
 
-def _prefill(model: Transformer, cache: KVCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Right-padded ragged prefill; returns each row's last-position logits (B, V)."""
-    device = model.device
-    T = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+def pad_right(
+    prompts: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, list[int]]:
+    """Prompts of different lengths -> (B, T) ids padded with 0 at the end, and the lengths."""
+    lengths = [len(p) for p in prompts]
+    ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(list(p))
-    positions = torch.arange(T)[None].expand(len(prompts), T)
-    last = torch.tensor([[len(p) - 1] for p in prompts])  # (B, 1)
-    out: ForwardOutput = model(
-        ids.to(device), positions.to(device), cache, logit_index=last.to(device)
-    )
-    cache.advance([len(p) for p in prompts])
+    return ids.to(device), lengths
+
+
+def _prefill(model: Transformer, cache: KVCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Right-padded ragged prefill; returns each row's last-position logits (B, V)."""
+    ids, lengths = pad_right(prompts, model.device)
+    B, T = ids.shape
+    positions = torch.arange(T, device=ids.device).expand(B, T)
+    last = torch.tensor([[n - 1] for n in lengths], device=ids.device)  # (B, 1)
+    out: ForwardOutput = model(ids, positions, cache, logit_index=last)
+    cache.advance(lengths)
     return out.logits[:, 0]
 
 
@@ -90,7 +96,7 @@ def _seen_mask(prompts: Sequence[Sequence[int]], vocab: int, device: torch.devic
     return seen
 
 
-def _next_tokens(
+def next_tokens(
     logits: torch.Tensor,
     st: SamplingTensors,
     seen: torch.Tensor | None,

@@ -1,0 +1,292 @@
+"""The EAGLE-3 draft head (spec section 1.2): fc over captured target states, one decoder layer
+whose attention reads the concatenation (token embedding, hidden), optional plain layers, a final
+norm and an lm_head over the draft vocabulary, mapped back to target ids through d2t.
+
+Dims: B batch, T new tokens, K attended keys, H / Hkv query and KV heads, D head dim, C draft
+hidden, Ct target hidden, A captured target states, V target vocab, Vd draft vocab, I MLP width.
+
+Two entry points, and the caller decides which hidden goes in (never inferred from its width):
+  combine(aux)   target states at the capture boundaries, A x (B, T, Ct) -> g (B, T, C): fc
+  forward(...)   token ids + hidden (B, T, C): g from `combine`, or the head's own previous
+                 `prenorm` output (no fc) -> DraftOutput(logits over Vd, prenorm)
+
+Token/feature alignment (spec section 1.7) is the caller's job: draft position p takes the pair
+(token x_{p+1}, feature g_p) at RoPE position p, and its logits there predict x_{p+2}.
+Worked example: prompt x0 x1 x2 x3; the target's prefill gives g0..g3 and samples x4.
+    draft prefill   input_ids [x1 x2 x3 x4], hidden combine([g0 g1 g2 g3]), positions [0 1 2 3]
+                    -> logits at position 3 propose d5 (for x5); prenorm[3] is its state
+    draft step      input_ids [to_target(d5)], hidden prenorm[3], position [4] -> d6, ...
+The last prompt position cannot be drafted until the target has sampled the token after it.
+
+Cache protocol (as the target's `Transformer.forward`): one cache layer per draft layer; forward
+writes T new entries after each row's committed length and attends over the committed prefix plus
+the new tokens (causal, or the (B, T, T) tree mask among them); the caller commits with
+`cache.advance` / `cache.keep` or forgets scratch with `cache.truncate`. Positions are explicit.
+
+Embedding and lm_head may be the target's own modules (shared objects, no copies): moving or
+casting the head moves them too, so cast the target, never the head alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eaglespec.cache import KVCache, attention_mask
+from eaglespec.draft.config import DraftConfig
+from eaglespec.model.layers import (
+    GatedMLP,
+    RMSNorm,
+    apply_rope,
+    attend,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+
+@dataclass(slots=True)
+class DraftOutput:
+    logits: torch.Tensor  # (B, T', Vd) fp32 over the DRAFT vocab; T' = T or logit_index columns
+    # (B, T, C) the state that feeds the next draft step: pre-norm, or post-norm for speculators
+    # drafts with `norm_output: true` (DraftConfig.feed_normed)
+    prenorm: torch.Tensor
+
+
+class DraftAttention(nn.Module):
+    """Llama attention with a configurable input width (2C in the midlayer, C after)."""
+
+    def __init__(self, cfg: DraftConfig, in_dim: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # q, k, v rows fused into one matmul: [q (H*D); k (Hkv*D); v (Hkv*D)]
+        self.wqkv = nn.Linear(in_dim, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, in_dim)
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
+        cache: KVCache,
+        layer: int,
+        mask: torch.Tensor | None,  # (B, 1, T, K) or None
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
+        qk = apply_rope(qkv[:, :, : H + Hkv], *rope)  # (B, T, H + Hkv, D)
+        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
+        v = qkv[:, :, H + Hkv :].transpose(1, 2)  # (B, Hkv, T, D)
+        cache.write(layer, k, v)
+        if mask is None and T > 1:
+            out = attend(q, k, v, None, causal=True)  # no prefix: plain causal attention
+        else:
+            k_all, v_all = cache.view(layer, max(cache.lengths) + T)  # (B, Hkv, K, D)
+            out = attend(q, k_all, v_all, mask, causal=False)
+        y: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+        return y
+
+
+class MidLayer(nn.Module):
+    """Draft layer 0: attention over cat(input_layernorm(embedding), hidden_norm(g)), with the
+    raw g (or hidden_norm(g) under norm_before_residual) as the residual."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        C, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(C, eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(C, eps)  # on g
+        self.attn = DraftAttention(cfg, 2 * C)
+        self.post_attention_layernorm = RMSNorm(C, eps)
+        self.mlp = GatedMLP(C, cfg.intermediate_size, bias=False)
+
+    def forward(
+        self,
+        emb: torch.Tensor,  # (B, T, C) token embeddings
+        g: torch.Tensor,  # (B, T, C) fused target features or the previous draft state
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = self.hidden_norm(g)
+        residual = h if self.norm_before_residual else g
+        x = torch.cat((self.input_layernorm(emb), h), dim=-1)  # (B, T, 2C): embedding first
+        x = residual + self.attn(x, rope, cache, 0, mask)
+        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
+
+
+class DecoderLayer(nn.Module):
+    """Draft layers 1.. (num_hidden_layers > 1): a plain pre-norm Llama layer of width C, as
+    vLLM runs them (`layer_idx > 0`)."""
+
+    def __init__(self, cfg: DraftConfig, layer: int) -> None:
+        super().__init__()
+        C, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer = layer  # its cache layer
+        self.input_layernorm = RMSNorm(C, eps)
+        self.attn = DraftAttention(cfg, C)
+        self.post_attention_layernorm = RMSNorm(C, eps)
+        self.mlp = GatedMLP(C, cfg.intermediate_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, C)
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_layernorm(x), rope, cache, self.layer, mask)
+        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
+
+
+class Eagle3Head(nn.Module):
+    d2t: torch.Tensor  # (Vd,) int64 offsets: target_id = draft_id + d2t[draft_id]
+    inv_freq: torch.Tensor  # (D/2,) fp32, from the DRAFT config's rope_theta / rope_scaling
+
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        num_aux: int,
+        *,
+        embed: nn.Embedding | None = None,
+        lm_head: nn.Module | None = None,
+    ) -> None:
+        """`num_aux` captured states feed fc (1 and no fc when not `use_aux_hidden_state`).
+        `embed` / `lm_head` given: the head uses these modules (the target's) instead of its own;
+        `lm_head` may be any (..., C) -> (..., Vd) module with a `weight`, e.g. a quantized one."""
+        super().__init__()
+        C, Ct, eps = cfg.hidden_size, cfg.target_hidden_size, cfg.rms_norm_eps
+        if not cfg.use_aux_hidden_state and (num_aux != 1 or Ct != C):
+            raise ValueError(
+                f"without fc the head takes one state of width {C}, not {num_aux}x{Ct}"
+            )
+        self.cfg = cfg
+        self.num_aux = num_aux
+        self.shares_embed = embed is not None
+        self.shares_lm_head = lm_head is not None
+        self.embed = embed if embed is not None else nn.Embedding(cfg.vocab_size, C)
+        if tuple(self.embed.weight.shape) != (cfg.vocab_size, C):
+            raise ValueError(f"embedding {tuple(self.embed.weight.shape)} != {(cfg.vocab_size, C)}")
+        use_fc = cfg.use_aux_hidden_state
+        self.input_norm = RMSNorm(num_aux * Ct, eps) if use_fc and cfg.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(Ct, eps) for _ in range(num_aux))
+            if use_fc and cfg.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(num_aux * Ct, C, bias=cfg.fc_bias) if use_fc else None
+        self.midlayer = MidLayer(cfg)
+        self.extra_layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(1, cfg.num_layers))
+        self.norm = RMSNorm(C, eps) if cfg.final_norm or cfg.feed_normed else None
+        self.lm_head: nn.Module
+        if lm_head is not None:
+            self.lm_head = lm_head
+        else:
+            own = nn.Linear(C, cfg.draft_vocab_size, bias=False)
+            if cfg.tie_word_embeddings:  # then draft_vocab_size == vocab_size (DraftConfig)
+                own.weight = self.embed.weight
+            self.lm_head = own
+        if weight_shape(self.lm_head) != (cfg.draft_vocab_size, C):
+            raise ValueError(f"lm_head {weight_shape(self.lm_head)} != {(cfg.draft_vocab_size, C)}")
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    # From a norm weight: norms stay in the activation dtype when linear layers get quantized.
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.midlayer.hidden_norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.midlayer.hidden_norm.weight.device
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache.allocate(
+            num_layers=cfg.num_layers,
+            batch=batch,
+            num_kv_heads=cfg.num_kv_heads,
+            capacity=capacity,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def combine(self, aux: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A target states (each (B, T, Ct), in capture order) -> g (B, T, C): the optional norms
+        (input_norm over the concatenation, then fc_norm per state, as vLLM orders them), then fc.
+        Only target states go through here; the head's own outputs never meet fc."""
+        Ct = self.cfg.target_hidden_size
+        assert len(aux) == self.num_aux, (
+            f"{len(aux)} captured states, the head takes {self.num_aux}"
+        )
+        for a in aux:
+            assert a.shape[-1] == Ct and a.dtype == self.dtype, (
+                f"captured state {tuple(a.shape)} {a.dtype}, expected (..., {Ct}) {self.dtype}"
+            )
+        if self.fc is None:
+            return aux[0]  # use_aux_hidden_state false: the last layer's state, as is
+        x = torch.cat(list(aux), dim=-1)  # (B, T, A*Ct): low -> high
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            chunks = torch.split(x, Ct, dim=-1)
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        g: torch.Tensor = self.fc(x)
+        return g
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T) int64 TARGET-vocab ids (map draft picks with to_target)
+        hidden: torch.Tensor,  # (B, T, C) combine() output or the previous step's prenorm
+        positions: torch.Tensor,  # (B, T) int64 RoPE positions
+        cache: KVCache,
+        attn_mask: torch.Tensor | None = None,  # (B, T, T) bool among new tokens; None = causal
+        logit_index: torch.Tensor | None = None,  # (B, T') columns of T to project; None = all
+    ) -> DraftOutput:
+        """Writes T new K/V entries per draft layer after each row's committed length; the caller
+        commits them. Returns fp32 draft-vocab logits and the state for the next step."""
+        B, T = input_ids.shape
+        C = self.cfg.hidden_size
+        assert hidden.shape == (B, T, C), f"hidden {tuple(hidden.shape)} != {(B, T, C)}"
+        assert hidden.dtype == self.dtype, f"hidden is {hidden.dtype}, the head {self.dtype}"
+        assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
+        assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
+        cache.check_room(T)
+        mask = attention_mask(cache.lengths, T, attn_mask, self.device)
+        rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        x = self.midlayer(self.embed(input_ids), hidden, rope, cache, mask)  # (B, T, C)
+        for layer in self.extra_layers:
+            x = layer(x, rope, cache, mask)
+        if self.cfg.feed_normed and self.norm is not None:
+            x = self.norm(x)  # the post-norm state feeds both lm_head and the next step
+            final = None
+        else:
+            final = self.norm  # None when a native config says norm_output: false
+        y = x
+        if logit_index is not None:
+            rows = torch.arange(B, device=x.device)[:, None]
+            y = x[rows, logit_index]  # (B, T', C)
+        if final is not None:
+            y = final(y)
+        logits: torch.Tensor = self.lm_head(y).float()  # (B, T', Vd)
+        return DraftOutput(logits=logits, prenorm=x)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids (any shape) -> target-vocab ids: d + d2t[d]."""
+        return draft_ids + self.d2t[draft_ids]
+
+
+def weight_shape(module: nn.Module) -> tuple[int, ...]:
+    """The shape of `module.weight` (a Parameter, or a buffer in quantized layers)."""
+    w = module.weight
+    assert isinstance(w, torch.Tensor), f"{type(module).__name__} has no weight tensor"
+    return tuple(w.shape)

@@ -1,0 +1,105 @@
+"""EAGLE-3 drafting: keeps the head's cache in step with the target's and grows draft chains.
+
+Dims: B batch rows, T new tokens, A catch-up tokens, k draft tokens, C draft hidden,
+Ct target hidden.
+
+Alignment (spec section 1.7): the head's position p takes the pair (token x_{p+1}, feature g_p),
+where g_p is the fused target state at position p, and its output at p estimates g_{p+1} and
+predicts x_{p+2}. Worked example, prompt x0 x1 x2 (L = 3) and root x3 sampled by the target:
+
+    prefill     positions 0 1 2 take (x1, g0) (x2, g1) (x3, g2); output at 2 -> first draft d1
+    propose     position 3 takes (d1, out2) -> d2; position 4 takes (d2, out3) -> d3 ... (scratch)
+    verify      the target runs x3 d1 d2 ... and accepts, say, d1 and then samples y
+    catch up    positions 3 4 take (d1, g3) (y, g4) from the target's states of x3 and d1;
+                output at 4 -> the next round's first draft token
+
+So after every round the head's committed cache has exactly as many entries as the target's, all
+computed from target features; the proposal steps run on its own outputs and are discarded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from eaglespec.cache import KVCache
+from eaglespec.draft.eagle3 import DraftOutput, Eagle3Head
+
+
+@dataclass
+class DraftState:
+    cache: KVCache  # the head's KV cache; committed length == the target's
+    logits: torch.Tensor  # (B, Vd) fp32 head output at the last committed position
+    prenorm: torch.Tensor  # (B, C) its pre-norm state: the feature estimate for the next step
+
+    def select_rows(self, rows: Sequence[int]) -> DraftState:
+        idx = torch.tensor(list(rows), device=self.logits.device)
+        return DraftState(self.cache.select_rows(rows), self.logits[idx], self.prenorm[idx])
+
+
+class Eagle3Proposer:
+    """Greedy EAGLE-3 chains of up to k tokens. Drafting never samples: the draft picks are
+    deterministic, so the verifier treats each draft token as a point mass (q one-hot)."""
+
+    def __init__(self, head: Eagle3Head, capture: Sequence[int]) -> None:
+        self.head = head
+        self.capture = tuple(capture)
+
+    def start(
+        self,
+        tokens: torch.Tensor,  # (B, T) right-padded next tokens: prompt[1:] + [root]
+        aux: Sequence[torch.Tensor],  # target states at the capture boundaries, each (B, T, Ct)
+        counts: Sequence[int],  # real length of each row
+        capacity: int,
+    ) -> DraftState:
+        """Prefill the head over the prompt pairs (x_{p+1}, g_p), p = 0 .. L-1."""
+        cache = self.head.new_cache(tokens.shape[0], capacity)
+        return self._advance(cache, tokens, aux, counts)
+
+    def catch_up(
+        self,
+        state: DraftState,
+        tokens: torch.Tensor,  # (B, A) accepted draft tokens then the next root, right-padded
+        aux: Sequence[torch.Tensor],  # target states of root + accepted nodes, each (B, A, Ct)
+        counts: Sequence[int],  # accepted + 1 per row
+    ) -> DraftState:
+        return self._advance(state.cache, tokens, aux, counts)
+
+    def _advance(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        aux: Sequence[torch.Tensor],
+        counts: Sequence[int],
+    ) -> DraftState:
+        B, T = tokens.shape
+        dev = tokens.device
+        start = torch.tensor(cache.lengths, device=dev)[:, None]  # (B, 1)
+        positions = start + torch.arange(T, device=dev)  # (B, T)
+        last = torch.tensor(counts, device=dev)[:, None] - 1  # (B, 1)
+        out: DraftOutput = self.head(
+            tokens, self.head.combine(aux), positions, cache, logit_index=last
+        )
+        cache.advance(counts)
+        rows = torch.arange(B, device=dev)
+        return DraftState(cache, out.logits[:, 0], out.prenorm[rows, last[:, 0]])
+
+    def propose(self, state: DraftState, k: int) -> torch.Tensor:
+        """(B, k) target-vocabulary draft tokens. Scratch entries are written past the committed
+        length and forgotten afterwards (the cache is truncated back)."""
+        committed = list(state.cache.lengths)
+        dev = state.logits.device
+        token = self.head.to_target(state.logits.argmax(-1))  # (B,)
+        hidden = state.prenorm
+        drafts = [token]
+        for _ in range(k - 1):
+            positions = torch.tensor(state.cache.lengths, device=dev)[:, None]  # (B, 1)
+            out: DraftOutput = self.head(token[:, None], hidden[:, None], positions, state.cache)
+            state.cache.advance([1] * len(committed))
+            token = self.head.to_target(out.logits[:, -1].argmax(-1))
+            hidden = out.prenorm[:, -1]
+            drafts.append(token)
+        state.cache.truncate(committed)
+        return torch.stack(drafts, dim=1)

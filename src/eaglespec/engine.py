@@ -1,0 +1,169 @@
+"""Speculative decoding of a batch: the only module that knows both the target and the draft.
+
+One round, for every active row at once:
+  1. the proposer drafts a chain of k tokens after the root (the last token the target chose);
+  2. the target runs root + drafts in one forward (tree mask, positions prefix + depth) and captures
+     the states the draft needs;
+  3. verification accepts a prefix of the drafts and picks the next root (bonus or recovered);
+  4. one host sync hands the tokens back; the target cache keeps root + accepted entries
+     (`cache.keep`), and the draft catches up on them with the target's own states.
+Rows accept different numbers of tokens; caches and positions are per row throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from eaglespec.config import SamplingParams
+from eaglespec.draft.proposer import DraftState, Eagle3Proposer
+from eaglespec.errors import InvalidRequestError
+from eaglespec.generate import next_tokens, pad_right
+from eaglespec.model.llama import ForwardOutput, Transformer
+from eaglespec.requests import (
+    RequestState,
+    StreamEvent,
+    account_time,
+    append_token,
+    new_states,
+)
+from eaglespec.sampling import RowRandom, SamplingTensors, probs_from_logits
+from eaglespec.tokenizer import Tokenizer
+from eaglespec.tree import DraftTree, chain_tree, verify_positions
+from eaglespec.verify import VerifyResult, verify_greedy, verify_sampled
+
+
+def generate_speculative(
+    target: Transformer,
+    proposer: Eagle3Proposer,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    *,
+    num_draft: int,
+) -> Iterator[StreamEvent]:
+    """Like `generate.generate_stream`, with k = num_draft draft tokens per round."""
+    if any(p.repetition_penalty != 1 for p in params):
+        raise InvalidRequestError("repetition_penalty is not supported with speculative decoding")
+    limit, device = target.cfg.context_limit, target.device
+    seqs = new_states(prompts, params, tokenizer, limit, device)
+    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
+    capacity = min(limit, longest + num_draft + 1)
+    cache = target.new_cache(len(seqs), capacity)
+    st = SamplingTensors.from_params(params, device)
+    start = time.perf_counter()
+
+    ids, lengths = pad_right(prompts, device)
+    last = torch.tensor([[n - 1] for n in lengths], device=device)
+    out: ForwardOutput = target(
+        ids, _arange_rows(ids), cache, capture=proposer.capture, logit_index=last
+    )
+    cache.advance(lengths)
+    roots = next_tokens(out.logits[:, 0], st, None, [s.generator for s in seqs])
+    shifted = ids.roll(-1, dims=1).scatter(1, last, roots[:, None])  # prompt[1:] + root
+    draft = proposer.start(shifted, out.hidden, lengths, capacity)
+    first = roots.tolist()  # sync: the first token of every row
+    now = time.perf_counter()
+    active, keep = seqs, []
+    for row, seq in enumerate(seqs):
+        account_time(seq.out.stats, start, now)
+        event = _emit(seq, [first[row]], set(tokenizer.eos_ids), limit)
+        yield event
+        if event.output is None:
+            keep.append(row)
+    while keep:
+        if len(keep) < len(active):
+            active, roots, st, draft = _select(active, keep, roots, st, draft)
+            cache = cache.select_rows(keep)
+        k = max(0, min(num_draft, capacity - max(cache.lengths) - 1))
+        drafts = proposer.propose(draft, k) if k else roots[:, :0]
+        tree = chain_tree(roots, drafts)
+        positions = verify_positions(tree, torch.tensor(cache.lengths, device=device))
+        out = target(tree.tokens, positions, cache, attn_mask=tree.mask, capture=proposer.capture)
+        result = _verify(tree, out.logits, st, [s.generator for s in active])
+        path_tokens = torch.gather(tree.tokens, 1, result.path.clamp(min=0))  # (B, k + 1)
+        host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
+        rows_host = host.tolist()  # sync: the round's tokens, once for all rows
+        accepted = [r[0] for r in rows_host]
+        cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
+        now = time.perf_counter()
+        keep = []
+        for row, (seq, r) in enumerate(zip(active, rows_host, strict=True)):
+            seq.out.stats.record_round(k, r[0])
+            account_time(seq.out.stats, start, now)
+            event = _emit(seq, r[3 : 3 + r[0]] + [r[1]], set(tokenizer.eos_ids), limit)
+            yield event
+            if event.output is None:
+                keep.append(row)
+        if not keep:
+            return
+        draft = _catch_up(proposer, draft, out, result, path_tokens, accepted)
+        roots = result.next_token
+
+
+def _arange_rows(ids: torch.Tensor) -> torch.Tensor:
+    B, T = ids.shape
+    return torch.arange(T, device=ids.device).expand(B, T)
+
+
+def _verify(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    generators: Sequence[torch.Generator | None],
+) -> VerifyResult:
+    """logits (B, N, V): greedy fast path, else target probs per node (greedy rows one-hot)."""
+    if st.all_greedy:
+        return verify_greedy(tree, logits)
+    B, N, V = logits.shape
+    per_node = st.select(torch.arange(B, device=logits.device).repeat_interleave(N))
+    probs = probs_from_logits(logits.reshape(B * N, V), per_node).view(B, N, V)
+    return verify_sampled(tree, probs, RowRandom(generators))
+
+
+def _catch_up(
+    proposer: Eagle3Proposer,
+    draft: DraftState,
+    out: ForwardOutput,
+    result: VerifyResult,
+    path_tokens: torch.Tensor,  # (B, k + 1) root, accepted drafts, then padding
+    accepted: list[int],
+) -> DraftState:
+    """Feed the draft (accepted drafts + next root) with the target states of (root + accepted)."""
+    A = max(accepted) + 1
+    dev = path_tokens.device
+    a = torch.tensor(accepted, device=dev)[:, None]  # (B, 1)
+    tokens = path_tokens[:, 1 : A + 1]
+    tokens = torch.cat([tokens, tokens[:, :1]], 1)[:, :A]  # width A even when A = k + 1
+    tokens = tokens.scatter(1, a, result.next_token[:, None])  # row b: d_1 .. d_a, next
+    nodes = result.path.clamp(min=0)[:, :A]  # (B, A) root, accepted nodes, padding
+    aux = [torch.gather(h, 1, nodes[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden]
+    return proposer.catch_up(draft, tokens, aux, [n + 1 for n in accepted])
+
+
+def _emit(seq: RequestState, tokens: list[int], eos: set[int], limit: int) -> StreamEvent:
+    """Append a round's tokens in order, stopping at the first that finishes the request."""
+    text, new_ids = "", []
+    event = None
+    for tid in tokens:
+        full = len(seq.out.prompt_token_ids) + len(seq.out.token_ids) + 1 >= limit
+        event = append_token(seq, tid, eos, full)
+        text += event.text
+        new_ids += event.token_ids
+        if event.output is not None:
+            break
+    assert event is not None
+    return StreamEvent(event.index, text, new_ids, event.output)
+
+
+def _select(
+    active: list[RequestState],
+    keep: list[int],
+    roots: torch.Tensor,
+    st: SamplingTensors,
+    draft: DraftState,
+) -> tuple[list[RequestState], torch.Tensor, SamplingTensors, DraftState]:
+    rows = torch.tensor(keep, device=roots.device)
+    return [active[r] for r in keep], roots[rows], st.select(rows), draft.select_rows(keep)

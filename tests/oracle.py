@@ -1,0 +1,55 @@
+"""An oracle proposer for tests: drafts the target's own greedy continuation, known in advance,
+optionally corrupted, so tests control the acceptance rate. Duck-types Eagle3Proposer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+class OracleProposer:
+    """Every `wrong_every`-th draft position gets a wrong token (0 = never)."""
+
+    capture: tuple[int, ...] = (1,)
+
+    def __init__(self, sequences: list[list[int]], vocab: int, wrong_every: int = 0) -> None:
+        self.sequences = sequences  # full greedy sequences (prompt + continuation) per row
+        self.vocab = vocab
+        self.wrong_every = wrong_every
+
+    def start(self, tokens, aux, counts, capacity):
+        return {"rows": list(range(len(counts))), "len": list(counts)}
+
+    def catch_up(self, state, tokens, aux, counts):
+        state["len"] = [n + c for n, c in zip(state["len"], counts, strict=True)]
+        return state
+
+    def propose(self, state, k):
+        out = []
+        for row, n in zip(state["rows"], state["len"], strict=True):
+            seq = self.sequences[row]
+            toks = [seq[n + 1 + j] if n + 1 + j < len(seq) else 0 for j in range(k)]
+            if self.wrong_every:
+                toks = [
+                    (t + 1) % self.vocab if (n + j) % self.wrong_every == 0 else t
+                    for j, t in enumerate(toks)
+                ]
+            out.append(toks)
+        return torch.tensor(out, dtype=torch.long)
+
+
+def oracle_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine drops finished rows with DraftState.select_rows; give the oracle's dict state
+    the same ability (use as an autouse fixture)."""
+    import eaglespec.engine as engine
+
+    original = engine._select
+
+    def select(active, keep, roots, st, draft):
+        if isinstance(draft, dict):
+            rows = torch.tensor(keep)
+            picked = {key: [draft[key][r] for r in keep] for key in draft}
+            return [active[r] for r in keep], roots[rows], st.select(rows), picked
+        return original(active, keep, roots, st, draft)
+
+    monkeypatch.setattr(engine, "_select", select)

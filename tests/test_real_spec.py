@@ -1,0 +1,55 @@
+"""Speculative decoding on the real default model (SmolLM2-135M-Instruct, fp32): greedy output
+equals plain greedy output token for token, with a randomly initialised EAGLE-3 head (drafts almost
+always rejected) and with an oracle proposer (drafts almost always accepted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglespec import LLM, SamplingParams
+from eaglespec.draft.loader import random_eagle3
+from eaglespec.draft.proposer import Eagle3Proposer
+from eaglespec.engine import generate_speculative
+from eaglespec.generate import generate_stream
+from eaglespec.registry import pull
+from oracle import OracleProposer, oracle_selection
+
+pytestmark = pytest.mark.real
+_oracle_state_selection = pytest.fixture(autouse=True)(oracle_selection)
+
+PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function to add two numbers.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(pull("smollm2-135m", progress=False)), progress=False)
+
+
+def _outputs(events):
+    outs = {e.index: e.output for e in events if e.output is not None}
+    return [outs[i] for i in sorted(outs)]
+
+
+@pytest.mark.parametrize("proposer_kind", ["random-head", "oracle"])
+def test_greedy_speculative_equals_plain(llm: LLM, proposer_kind: str) -> None:
+    prompts = [llm.encode(p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=40)] * len(prompts)
+    plain = _outputs(generate_stream(llm.model, llm.tokenizer, prompts, params))
+    if proposer_kind == "random-head":
+        head = random_eagle3(llm.model, seed=0)
+        L = llm.config.num_layers
+        proposer = Eagle3Proposer(head, (2, L // 2, L - 3))
+    else:
+        seqs = [p + o.token_ids + [0] * 8 for p, o in zip(prompts, plain, strict=True)]
+        proposer = OracleProposer(seqs, llm.config.vocab_size)
+    spec = _outputs(
+        generate_speculative(llm.model, proposer, llm.tokenizer, prompts, params, num_draft=4)
+    )
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids and b.text == a.text
+        assert b.finish_reason == a.finish_reason
+    if proposer_kind == "oracle":
+        assert all(o.stats.mean_accept_length > 3.0 for o in spec)
