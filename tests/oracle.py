@@ -3,7 +3,6 @@ optionally corrupted, so tests control the acceptance rate. Duck-types Eagle3Pro
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 
@@ -17,7 +16,7 @@ class OracleProposer:
         self.vocab = vocab
         self.wrong_every = wrong_every
 
-    def start(self, tokens, aux, counts, capacity):
+    def start(self, prompt_ids, roots, aux, counts, capacity):
         return {"rows": list(range(len(counts))), "len": list(counts)}
 
     def catch_up(self, state, tokens, aux, counts):
@@ -37,19 +36,5 @@ class OracleProposer:
             out.append(toks)
         return torch.tensor(out, dtype=torch.long)
 
-
-def oracle_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine drops finished rows with DraftState.select_rows; give the oracle's dict state
-    the same ability (use as an autouse fixture)."""
-    import eaglespec.engine as engine
-
-    original = engine._select
-
-    def select(active, keep, roots, st, draft):
-        if isinstance(draft, dict):
-            rows = torch.tensor(keep)
-            picked = {key: [draft[key][r] for r in keep] for key in draft}
-            return [active[r] for r in keep], roots[rows], st.select(rows), picked
-        return original(active, keep, roots, st, draft)
-
-    monkeypatch.setattr(engine, "_select", select)
+    def select_rows(self, state, rows):
+        return {key: [state[key][r] for r in rows] for key in state}

@@ -12,10 +12,9 @@ from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.registry import pull
-from oracle import OracleProposer, oracle_selection
+from oracle import OracleProposer
 
 pytestmark = pytest.mark.real
-_oracle_state_selection = pytest.fixture(autouse=True)(oracle_selection)
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",

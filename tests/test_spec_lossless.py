@@ -18,7 +18,7 @@ from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import RequestOutput
-from oracle import OracleProposer, oracle_selection
+from oracle import OracleProposer
 
 V = 96
 
@@ -37,9 +37,6 @@ class _NullTokenizer:
                 return ""
 
         return _D()
-
-
-_oracle_state_selection = pytest.fixture(autouse=True)(oracle_selection)
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 from eaglespec.config import SamplingParams
-from eaglespec.draft.proposer import DraftState, Eagle3Proposer
+from eaglespec.draft.base import Proposer
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import next_tokens, pad_right
 from eaglespec.model.llama import ForwardOutput, Transformer
@@ -37,7 +38,7 @@ from eaglespec.verify import VerifyResult, verify_greedy, verify_sampled
 
 def generate_speculative(
     target: Transformer,
-    proposer: Eagle3Proposer,
+    proposer: Proposer,
     tokenizer: Tokenizer,
     prompts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
@@ -62,8 +63,7 @@ def generate_speculative(
     )
     cache.advance(lengths)
     roots = next_tokens(out.logits[:, 0], st, None, [s.generator for s in seqs])
-    shifted = ids.roll(-1, dims=1).scatter(1, last, roots[:, None])  # prompt[1:] + root
-    draft = proposer.start(shifted, out.hidden, lengths, capacity)
+    draft = proposer.start(ids, roots, out.hidden, lengths, capacity)
     first = roots.tolist()  # sync: the first token of every row
     now = time.perf_counter()
     active, keep = seqs, []
@@ -75,7 +75,8 @@ def generate_speculative(
             keep.append(row)
     while keep:
         if len(keep) < len(active):
-            active, roots, st, draft = _select(active, keep, roots, st, draft)
+            active, roots, st = _select(active, keep, roots, st)
+            draft = proposer.select_rows(draft, keep)
             cache = cache.select_rows(keep)
         k = max(0, min(num_draft, capacity - max(cache.lengths) - 1))
         drafts = proposer.propose(draft, k) if k else roots[:, :0]
@@ -124,13 +125,13 @@ def _verify(
 
 
 def _catch_up(
-    proposer: Eagle3Proposer,
-    draft: DraftState,
+    proposer: Proposer,
+    draft: Any,
     out: ForwardOutput,
     result: VerifyResult,
     path_tokens: torch.Tensor,  # (B, k + 1) root, accepted drafts, then padding
     accepted: list[int],
-) -> DraftState:
+) -> Any:
     """Feed the draft (accepted drafts + next root) with the target states of (root + accepted)."""
     A = max(accepted) + 1
     dev = path_tokens.device
@@ -159,11 +160,7 @@ def _emit(seq: RequestState, tokens: list[int], eos: set[int], limit: int) -> St
 
 
 def _select(
-    active: list[RequestState],
-    keep: list[int],
-    roots: torch.Tensor,
-    st: SamplingTensors,
-    draft: DraftState,
-) -> tuple[list[RequestState], torch.Tensor, SamplingTensors, DraftState]:
+    active: list[RequestState], keep: list[int], roots: torch.Tensor, st: SamplingTensors
+) -> tuple[list[RequestState], torch.Tensor, SamplingTensors]:
     rows = torch.tensor(keep, device=roots.device)
-    return [active[r] for r in keep], roots[rows], st.select(rows), draft.select_rows(keep)
+    return [active[r] for r in keep], roots[rows], st.select(rows)

@@ -49,14 +49,20 @@ class Eagle3Proposer:
 
     def start(
         self,
-        tokens: torch.Tensor,  # (B, T) right-padded next tokens: prompt[1:] + [root]
+        prompt_ids: torch.Tensor,  # (B, T) right-padded prompts
+        roots: torch.Tensor,  # (B,) the target's first sampled tokens
         aux: Sequence[torch.Tensor],  # target states at the capture boundaries, each (B, T, Ct)
-        counts: Sequence[int],  # real length of each row
+        counts: Sequence[int],  # prompt length per row
         capacity: int,
     ) -> DraftState:
         """Prefill the head over the prompt pairs (x_{p+1}, g_p), p = 0 .. L-1."""
-        cache = self.head.new_cache(tokens.shape[0], capacity)
-        return self._advance(cache, tokens, aux, counts)
+        last = torch.tensor(list(counts), device=prompt_ids.device)[:, None] - 1  # (B, 1)
+        shifted = prompt_ids.roll(-1, dims=1).scatter(1, last, roots[:, None])  # x_1 .. x_L
+        cache = self.head.new_cache(prompt_ids.shape[0], capacity)
+        return self._advance(cache, shifted, aux, counts)
+
+    def select_rows(self, state: DraftState, rows: Sequence[int]) -> DraftState:
+        return state.select_rows(rows)
 
     def catch_up(
         self,

@@ -1,0 +1,45 @@
+"""What the speculative engine needs from a proposer (EAGLE-3 head, classic draft model, prompt
+lookup). The engine owns the target and the verification; a proposer owns its own state.
+
+Round protocol, per batch (B rows, ragged):
+    state = start(prompt_ids, roots, aux, counts, capacity)   after the target's prefill
+    drafts = propose(state, k)                                (B, k) target-vocabulary tokens
+    state = catch_up(state, tokens, aux, counts)              after verification
+    state = select_rows(state, rows)                          when finished rows leave
+`roots` are the tokens the target just chose (not yet in its cache). In `catch_up`, row b's
+`tokens[b, :counts[b]]` are its accepted draft tokens followed by the next root, and `aux` holds the
+target's captured states of the previous root and the accepted tokens (same width), for proposers
+that read target features (`capture` non-empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class Proposer(Protocol):
+    capture: tuple[int, ...]  # target boundaries whose states the proposer reads; () for none
+
+    def start(
+        self,
+        prompt_ids: torch.Tensor,  # (B, T) right-padded prompts
+        roots: torch.Tensor,  # (B,) the target's first sampled token per row
+        aux: Sequence[torch.Tensor],  # target states at `capture`, each (B, T, Ct)
+        counts: Sequence[int],  # prompt length per row
+        capacity: int,  # cache slots the target holds per row
+    ) -> Any: ...
+
+    def propose(self, state: Any, k: int) -> torch.Tensor: ...
+
+    def catch_up(
+        self,
+        state: Any,
+        tokens: torch.Tensor,  # (B, A) accepted draft tokens then the next root, right-padded
+        aux: Sequence[torch.Tensor],  # target states of previous root + accepted, each (B, A, Ct)
+        counts: Sequence[int],  # accepted + 1 per row
+    ) -> Any: ...
+
+    def select_rows(self, state: Any, rows: Sequence[int]) -> Any: ...
