@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from eaglespec.tree import DraftTree, build_tree
+
 
 class OracleProposer:
     """Every `wrong_every`-th draft position gets a wrong token (0 = never)."""
@@ -38,3 +40,20 @@ class OracleProposer:
 
     def select_rows(self, state, rows):
         return {key: [state[key][r] for r in rows] for key in state}
+
+    def propose_tree(self, state, roots, shape) -> DraftTree:
+        """A ladder: at every depth a wrong sibling first, then the right token, whose children are
+        the next rung. Accepted paths skip every other node, so the target cache must gather
+        non-contiguous entries. Uses shape.depth rungs (num_nodes and top_k are ignored)."""
+        right = self.propose(state, shape.depth)  # (B, depth)
+        B, D = right.shape
+        tokens, parents = [roots], [torch.full((B,), -1)]
+        parent = torch.zeros(B, dtype=torch.long)
+        for d in range(D):
+            wrong = (right[:, d] + 1) % self.vocab
+            tokens += [wrong, right[:, d]]
+            parents += [parent, parent]
+            parent = torch.full((B,), 2 + 2 * d)
+        return build_tree(
+            torch.stack(tokens, 1), torch.stack(parents, 1), max_depth=D, max_children=2
+        )

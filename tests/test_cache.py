@@ -73,3 +73,13 @@ def test_attention_mask_tree() -> None:
 def test_attention_mask_fast_paths_return_none() -> None:
     assert attention_mask([5, 5], 1, None, torch.device("cpu")) is None  # decode step
     assert attention_mask([0, 0], 7, None, torch.device("cpu")) is None  # fresh prompt
+
+
+def test_attention_mask_window_reaches_into_committed_scratch() -> None:
+    """Drafting a tree level by level: entries of the previous level were committed temporarily
+    (length 5 = 3 prefix + 2 level-1 nodes); the two new level-2 nodes each see their own parent
+    only among the level-1 entries, plus the prefix and themselves."""
+    level2 = torch.tensor([[[1, 0, 1, 0], [0, 1, 0, 1]]], dtype=torch.bool)  # W = 4 = 2 + T
+    m = attention_mask([5], 2, level2, torch.device("cpu"))
+    assert m is not None
+    assert m[0, 0].int().tolist() == [[1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 0, 1]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglespec.config import ModelConfig, SamplingParams
+from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
@@ -135,3 +135,56 @@ def test_seeded_sampling_repeats_and_mixed_batch(target: Transformer) -> None:
     # The greedy row in a mixed batch still equals plain greedy.
     plain = _plain(target, PROMPTS[1:2], params[1:])
     assert a[1].token_ids == plain[0].token_ids
+
+
+TREES = {
+    "chain-as-tree": TreeConfig(depth=4, top_k=1, num_nodes=4),
+    "wide": TreeConfig(depth=2, top_k=6, num_nodes=12),
+    "deep": TreeConfig(depth=6, top_k=2, num_nodes=10),
+    "eagle-like": TreeConfig(depth=4, top_k=4, num_nodes=20),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TREES))
+def test_tree_drafting_greedy_equals_plain(target: Transformer, shape: str) -> None:
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 7, 20, 1)]
+    plain = _plain(target, PROMPTS, params)
+    proposer = Eagle3Proposer(random_eagle3(target, seed=3), (1, 3, 4))
+    events = generate_speculative(
+        target, proposer, _NullTokenizer(), PROMPTS, params, num_draft=1, tree=TREES[shape]
+    )
+    for a, b in zip(plain, _run(events), strict=True):
+        assert b.token_ids == a.token_ids
+
+
+def test_tree_is_well_formed_and_top1_tree_is_the_chain(target: Transformer) -> None:
+    proposer = Eagle3Proposer(random_eagle3(target, seed=4), (1, 3, 4))
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
+    roots = torch.tensor([7, 9])
+    out = target(ids, torch.arange(5).expand(2, 5), target.new_cache(2, 64), capture=(1, 3, 4))
+    state = proposer.start(ids, roots, out.hidden, [5, 5], 64)
+    shape = TreeConfig(depth=4, top_k=3, num_nodes=15)
+    tree = proposer.propose_tree(state, roots, shape)
+    assert state.cache.lengths == [5, 5]  # scratch forgotten
+    assert tree.tokens.shape == (2, 16) and bool((tree.depth <= 4).all())
+    idx = torch.arange(16)
+    assert bool((tree.parents[:, 1:] < idx[1:]).all()) and bool((tree.parents[:, 1:] >= 0).all())
+    chain = proposer.propose(state, 4)
+    top1 = proposer.propose_tree(state, roots, TreeConfig(depth=4, top_k=1, num_nodes=4))
+    assert torch.equal(top1.tokens[:, 1:], chain)
+
+
+def test_tree_with_accepted_paths_that_skip_nodes(target: Transformer) -> None:
+    """The oracle's ladder tree puts the right token second at every depth: everything is
+    accepted along a path of every other node, so `cache.keep` gathers non-contiguous entries."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 7, 20, 1)]
+    plain = _plain(target, PROMPTS, params)
+    seqs = [p + o.token_ids + [0] * 8 for p, o in zip(PROMPTS, plain, strict=True)]
+    shape = TreeConfig(depth=3, top_k=2, num_nodes=6)
+    events = generate_speculative(
+        target, OracleProposer(seqs, V), _NullTokenizer(), PROMPTS, params, num_draft=1, tree=shape
+    )
+    spec = _run(events)
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids
+    assert spec[2].stats.mean_accept_length > 3.0  # 20 tokens: full ladders of 3 + bonus

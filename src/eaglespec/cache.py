@@ -144,10 +144,13 @@ def attention_mask(
 ) -> torch.Tensor | None:
     """Mask (B, 1, T, K) over K = max(len) + T keys, True where query t of row b may attend.
 
-    Key slot s is visible to new token t of row b when s < len_b (committed prefix), or when
-    s = len_b + j and new_mask[b, t, j] (causal if new_mask is None). Returns None when no mask is
-    needed: no tree mask, every row the same length, and either one new token (it sees the whole
-    prefix) or no prefix at all (plain causal attention over the new tokens).
+    `new_mask` (B, T, W), W >= T, covers the last W slots up to and including the new tokens of
+    each row: slots len_b + T - W .. len_b + T - 1. Slots before that window are visible; slots
+    inside it are visible where new_mask says. W = T is a mask among the new tokens (a tree being
+    verified); W > T also reaches back into entries written by earlier forwards and committed
+    temporarily (the levels of a tree being drafted). None means causal among the new tokens.
+    Returns None when no mask is needed: no new_mask, every row the same length, and either one
+    new token (it sees the whole prefix) or no prefix at all (plain causal attention).
     Example: lengths [2, 1], T 2, causal -> K 4; row 0: t0 sees slots 0-2, t1 sees 0-3;
     row 1: t0 sees slots 0-1, t1 sees 0-2 (slot 3 is row 1's padding and stays hidden).
     """
@@ -159,12 +162,10 @@ def attention_mask(
     s = torch.arange(K, device=device)[None, None, :]  # (1, 1, K)
     t = torch.arange(num_new, device=device)[None, :, None]  # (1, T, 1)
     if new_mask is None:
-        visible = s <= length + t  # (B, T, K): prefix plus causal among the new tokens
-    else:
-        j = s - length  # (B, 1, K): index among the new tokens, negative for the prefix
-        inside = (j >= 0) & (j < num_new)
-        picked = torch.gather(
-            new_mask, 2, j.clamp(0, num_new - 1).expand(B, num_new, K)
-        )  # (B, T, K): new_mask[b, t, j]
-        visible = (j < 0) | (inside & picked)
-    return visible[:, None]
+        return (s <= length + t)[:, None]  # prefix plus causal among the new tokens
+    W = new_mask.shape[2]
+    assert W >= num_new and new_mask.shape[:2] == (B, num_new), tuple(new_mask.shape)
+    j = s - (length + num_new - W)  # (B, 1, K): column of new_mask, negative before the window
+    inside = (j >= 0) & (j < W)
+    picked = torch.gather(new_mask, 2, j.clamp(0, W - 1).expand(B, num_new, K))  # (B, T, K)
+    return ((j < 0) | (inside & picked))[:, None]

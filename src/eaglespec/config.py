@@ -149,6 +149,23 @@ def parse_rope_scaling(rope: dict[str, Any], *, source: str) -> RopeScaling | No
 
 
 @dataclass(frozen=True, slots=True)
+class TreeConfig:
+    """Shape of an EAGLE-2 dynamic draft tree. A chain of k tokens is depth k, top_k 1."""
+
+    depth: int  # levels of candidates = longest draft path; draft forwards per round = depth - 1
+    top_k: int  # children drawn per expanded node, and nodes expanded per level
+    num_nodes: int  # draft tokens kept after the global rerank (root excluded)
+
+    def __post_init__(self) -> None:
+        most = self.top_k + (self.depth - 1) * self.top_k**2
+        if self.depth < 1 or self.top_k < 1 or not 1 <= self.num_nodes <= most:
+            raise InvalidRequestError(
+                f"tree depth {self.depth}, top_k {self.top_k}: num_nodes must be in [1, {most}], "
+                f"got {self.num_nodes}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request decoding parameters. temperature 0 means greedy."""
 

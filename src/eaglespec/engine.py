@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from eaglespec.config import SamplingParams
-from eaglespec.draft.base import Proposer
+from eaglespec.config import SamplingParams, TreeConfig
+from eaglespec.draft.base import Proposer, TreeProposer
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import next_tokens, pad_right
 from eaglespec.model.llama import ForwardOutput, Transformer
@@ -44,10 +44,17 @@ def generate_speculative(
     params: Sequence[SamplingParams],
     *,
     num_draft: int,
+    tree: TreeConfig | None = None,
 ) -> Iterator[StreamEvent]:
-    """Like `generate.generate_stream`, with k = num_draft draft tokens per round."""
+    """Like `generate.generate_stream`, with a chain of k = num_draft draft tokens per round, or
+    an EAGLE-2 dynamic tree of `tree.num_nodes` tokens when `tree` is given."""
     if any(p.repetition_penalty != 1 for p in params):
         raise InvalidRequestError("repetition_penalty is not supported with speculative decoding")
+    grower = proposer if isinstance(proposer, TreeProposer) else None
+    if tree is not None:
+        if grower is None:
+            raise InvalidRequestError("tree drafting needs an EAGLE-3 head (--method eagle3)")
+        num_draft = tree.num_nodes
     limit, device = target.cfg.context_limit, target.device
     seqs = new_states(prompts, params, tokenizer, limit, device)
     longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
@@ -78,13 +85,19 @@ def generate_speculative(
             active, roots, st = _select(active, keep, roots, st)
             draft = proposer.select_rows(draft, keep)
             cache = cache.select_rows(keep)
-        k = max(0, min(num_draft, capacity - max(cache.lengths) - 1))
-        drafts = proposer.propose(draft, k) if k else roots[:, :0]
-        tree = chain_tree(roots, drafts)
-        positions = verify_positions(tree, torch.tensor(cache.lengths, device=device))
-        out = target(tree.tokens, positions, cache, attn_mask=tree.mask, capture=proposer.capture)
-        result = _verify(tree, out.logits, st, [s.generator for s in active])
-        path_tokens = torch.gather(tree.tokens, 1, result.path.clamp(min=0))  # (B, k + 1)
+        room = capacity - max(cache.lengths) - 1
+        if tree is not None and grower is not None and room >= tree.num_nodes:
+            drafted = grower.propose_tree(draft, roots, tree)
+        else:  # a chain, shortened near the end of the cache
+            k = max(0, min(num_draft, room))
+            drafted = chain_tree(roots, proposer.propose(draft, k) if k else roots[:, :0])
+        k = drafted.max_depth  # draft positions, for the per-position statistics
+        positions = verify_positions(drafted, torch.tensor(cache.lengths, device=device))
+        out = target(
+            drafted.tokens, positions, cache, attn_mask=drafted.mask, capture=proposer.capture
+        )
+        result = _verify(drafted, out.logits, st, [s.generator for s in active])
+        path_tokens = torch.gather(drafted.tokens, 1, result.path.clamp(min=0))  # (B, D + 1)
         host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
         rows_host = host.tolist()  # sync: the round's tokens, once for all rows
         accepted = [r[0] for r in rows_host]
@@ -129,7 +142,7 @@ def _catch_up(
     draft: Any,
     out: ForwardOutput,
     result: VerifyResult,
-    path_tokens: torch.Tensor,  # (B, k + 1) root, accepted drafts, then padding
+    path_tokens: torch.Tensor,  # (B, D + 1) root, accepted drafts, then padding
     accepted: list[int],
 ) -> Any:
     """Feed the draft (accepted drafts + next root) with the target states of (root + accepted)."""
@@ -137,7 +150,7 @@ def _catch_up(
     dev = path_tokens.device
     a = torch.tensor(accepted, device=dev)[:, None]  # (B, 1)
     tokens = path_tokens[:, 1 : A + 1]
-    tokens = torch.cat([tokens, tokens[:, :1]], 1)[:, :A]  # width A even when A = k + 1
+    tokens = torch.cat([tokens, tokens[:, :1]], 1)[:, :A]  # width A even when A = D + 1
     tokens = tokens.scatter(1, a, result.next_token[:, None])  # row b: d_1 .. d_a, next
     nodes = result.path.clamp(min=0)[:, :A]  # (B, A) root, accepted nodes, padding
     aux = [torch.gather(h, 1, nodes[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden]

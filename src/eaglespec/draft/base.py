@@ -15,9 +15,12 @@ that read target features (`capture` non-empty).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from eaglespec.config import TreeConfig
+from eaglespec.tree import DraftTree
 
 
 class Proposer(Protocol):
@@ -43,3 +46,10 @@ class Proposer(Protocol):
     ) -> Any: ...
 
     def select_rows(self, state: Any, rows: Sequence[int]) -> Any: ...
+
+
+@runtime_checkable
+class TreeProposer(Protocol):
+    """A proposer that can also draft EAGLE-2 dynamic trees (the EAGLE-3 head)."""
+
+    def propose_tree(self, state: Any, roots: torch.Tensor, shape: TreeConfig) -> DraftTree: ...

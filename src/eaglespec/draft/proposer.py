@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from eaglespec.cache import KVCache
+from eaglespec.config import TreeConfig
 from eaglespec.draft.eagle3 import DraftOutput, Eagle3Head
+from eaglespec.tree import DraftTree, build_tree
 
 
 @dataclass
@@ -109,3 +111,71 @@ class Eagle3Proposer:
             drafts.append(token)
         state.cache.truncate(committed)
         return torch.stack(drafts, dim=1)
+
+    def propose_tree(self, state: DraftState, roots: torch.Tensor, shape: TreeConfig) -> DraftTree:
+        """EAGLE-2 dynamic tree (spec section 3.2): expand the top_k best candidates of each level
+        by cumulative draft log-probability, then keep the num_nodes best candidates overall.
+
+        Level l's nodes (level 1 = children of the root) are fed at position committed + l - 1,
+        each with its parent's pre-norm output; they see the committed prefix, their ancestors
+        among the earlier levels' scratch entries and themselves."""
+        B, K = roots.shape[0], shape.top_k
+        dev = roots.device
+        committed = list(state.cache.lengths)
+        score, idx = torch.log_softmax(state.logits, -1).topk(K, -1)  # (B, K) level 1
+        scores, tokens = [score], [self.head.to_target(idx)]
+        parents = [torch.full((B, K), -1, device=dev)]  # global candidate ids; -1 = the root
+        fed = torch.arange(K, device=dev).expand(B, K)  # global ids of the nodes fed next
+        fed_tokens = tokens[0]  # (B, K)
+        hidden = state.prenorm[:, None].expand(B, K, -1)  # (B, K, C)
+        ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)
+        eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
+        start = torch.tensor(committed, device=dev)[:, None]  # (B, 1)
+        for level in range(1, shape.depth):
+            mask = torch.cat([ancestors, eye], -1)  # (B, K, level * K)
+            out: DraftOutput = self.head(
+                fed_tokens,
+                hidden,
+                (start + level - 1).expand(B, K),
+                state.cache,
+                attn_mask=mask,
+            )
+            state.cache.advance([K] * B)
+            child, child_idx = torch.log_softmax(out.logits, -1).topk(K, -1)  # (B, K, K)
+            cum = (score[:, :, None] + child).flatten(1)  # (B, K*K) cumulative path log-prob
+            scores.append(cum)
+            tokens.append(self.head.to_target(child_idx).flatten(1))
+            parents.append(fed[:, :, None].expand(B, K, K).flatten(1))
+            score, best = cum.topk(K, -1)  # (B, K) expanded next
+            slot = best // K  # which fed node each comes from
+            fed = (K + (level - 1) * K * K) + best
+            fed_tokens = tokens[-1].gather(1, best)
+            hidden = out.prenorm.gather(1, slot[..., None].expand(-1, -1, out.prenorm.shape[-1]))
+            picked = ancestors.gather(1, slot[..., None].expand(-1, -1, ancestors.shape[-1]))
+            ancestors = torch.cat([picked, torch.nn.functional.one_hot(slot, K).bool()], -1)
+        state.cache.truncate(committed)
+        return _rerank(roots, scores, tokens, parents, shape)
+
+
+def _rerank(
+    roots: torch.Tensor,
+    scores: list[torch.Tensor],
+    tokens: list[torch.Tensor],
+    parents: list[torch.Tensor],
+    shape: TreeConfig,
+) -> DraftTree:
+    """Keep the num_nodes best candidates of all levels (sorted by global id, which is
+    topological) and map parent ids to node indices. Deeper levels get a 1e-6 handicap per level
+    so that a parent always outranks its children, even on exact ties."""
+    handicap = torch.cat([torch.full_like(s, 1e-6 * level) for level, s in enumerate(scores)], 1)
+    all_scores = torch.cat(scores, 1) - handicap  # (B, M)
+    keep = all_scores.topk(shape.num_nodes, -1).indices.sort(-1).values  # (B, n)
+    node_tokens = torch.cat(tokens, 1).gather(1, keep)
+    parent_ids = torch.cat(parents, 1).gather(1, keep)
+    # global id -> node index (1 + rank among the kept); root children keep parent 0.
+    parent_nodes = torch.searchsorted(keep, parent_ids.clamp(min=0)) + 1
+    parent_nodes = torch.where(parent_ids < 0, 0, parent_nodes)
+    B = roots.shape[0]
+    all_tokens = torch.cat([roots[:, None], node_tokens], 1)  # (B, n + 1)
+    all_parents = torch.cat([torch.full((B, 1), -1, device=roots.device), parent_nodes], 1)
+    return build_tree(all_tokens, all_parents, max_depth=shape.depth, max_children=shape.top_k)
