@@ -61,10 +61,9 @@ def build_tree(
     idx = torch.arange(N, device=dev)
     # Transitive closure by squaring: M = I | parent-edge, then M <- M M until paths of length
     # >= N are covered (ceil(log2 N) rounds of a (B, N, N) matmul; N is small).
-    edge = torch.zeros(B, N, N, device=dev)
-    has_parent = parents >= 0  # (B, N)
-    rows = torch.arange(B, device=dev)[:, None].expand(B, N)
-    edge[rows[has_parent], idx.expand(B, N)[has_parent], parents[has_parent]] = 1.0
+    # edge[b, i, parents[b, i]] = 1 (a scatter, not boolean indexing, which would sync on GPU)
+    has_parent = (parents >= 0).float()[..., None]  # (B, N, 1)
+    edge = torch.zeros(B, N, N, device=dev).scatter_(2, parents.clamp(min=0)[..., None], has_parent)
     reach = edge + torch.eye(N, device=dev)
     for _ in range(max(1, (N - 1).bit_length())):
         reach = (reach @ reach).clamp_(max=1.0)

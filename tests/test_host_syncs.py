@@ -1,0 +1,75 @@
+"""Speculative decoding syncs with the host once per round (plus once for the prefill's first
+token): every Python-level read of a tensor value is counted while the engine runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
+from eaglespec.draft.loader import random_eagle3
+from eaglespec.draft.proposer import Eagle3Proposer
+from eaglespec.engine import generate_speculative
+from eaglespec.model.llama import Transformer
+
+SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+class _Tok:
+    eos_ids: tuple[int, ...] = ()
+
+    def stream_decoder(self, prompt_ids=()):
+        class _D:
+            def push(self, tid: int) -> str:
+                return "x"
+
+            def flush(self) -> str:
+                return ""
+
+        return _D()
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=5,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position=128,
+        tie_word_embeddings=True,
+    )
+    return Transformer(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("tree", [None, TreeConfig(depth=3, top_k=3, num_nodes=8)])
+def test_one_sync_per_round(target, monkeypatch, sampled: bool, tree: TreeConfig | None) -> None:
+    proposer = Eagle3Proposer(random_eagle3(target, seed=0), (1, 2, 3))
+    temp = 0.8 if sampled else 0.0
+    params = [
+        SamplingParams(max_tokens=9, temperature=temp, seed=s, ignore_eos=True) for s in (1, 2)
+    ]
+    count = {"n": 0}
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, __original=original, **k):
+            count["n"] += 1
+            return __original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    events = generate_speculative(
+        target, proposer, _Tok(), [[1, 2, 3, 4], [5, 6]], params, num_draft=3, tree=tree
+    )
+    outs = [e.output for e in events if e.output is not None]
+    monkeypatch.undo()
+    rounds = max(o.stats.rounds for o in outs)
+    assert count["n"] == rounds + 1, f"{count['n']} host syncs for {rounds} rounds"
