@@ -1,0 +1,79 @@
+"""Cost of one target verification forward against the number of draft tokens, and of one
+EAGLE-3 draft step, on this machine.
+
+    python benchmarks/verify_cost.py [--model smollm2-135m] [--dtype float32] [--prefix 128]
+                                     [--sizes 1 2 4 8 16 32 64] [--repeats 15]
+
+Speculative decoding pays when verifying T tokens costs little more than decoding one: the
+speedup is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size
+runs the target over T new tokens after a committed prefix (tree-shaped mask: a chain), as the
+verifier does, then forgets them; medians over --repeats after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from eaglespec import LLM
+from eaglespec.draft.loader import random_eagle3
+
+
+def time_forward(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prefix", type=int, default=128)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+
+    llm = LLM(args.model, dtype=args.dtype, progress=False)
+    model = llm.model
+    L = model.cfg.num_layers
+    capture = (2, L // 2, L - 3)
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, model.cfg.vocab_size, (1, args.prefix), generator=gen)
+    cache = model.new_cache(1, args.prefix + max(args.sizes) + 1)
+    head = random_eagle3(model, seed=0)
+    draft_cache = head.new_cache(1, args.prefix + max(args.sizes) + 1)
+    print(f"{args.model} {args.dtype}, prefix {args.prefix}, threads {torch.get_num_threads()}")
+    with torch.inference_mode():
+        out = model(prefix, torch.arange(args.prefix)[None], cache, capture=capture)
+        cache.advance([args.prefix])
+        feats = head.combine([h[:, :1] for h in out.hidden])  # (1, 1, C)
+        print("| draft tokens T | target forward ms | x one token | draft head step ms |")
+        print("|---|---|---|---|")
+        base = None
+        for T in args.sizes:
+            ids = torch.randint(0, model.cfg.vocab_size, (1, T), generator=gen)
+            pos = torch.arange(args.prefix, args.prefix + T)[None]
+            mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
+
+            def verify(ids=ids, pos=pos, mask=mask) -> None:
+                model(ids, pos, cache, attn_mask=mask, capture=capture)
+
+            def draft_step(ids=ids, pos=pos, T=T) -> None:
+                head(ids, feats.expand(1, T, -1), pos - args.prefix, draft_cache)
+
+            ms = time_forward(verify, args.repeats)
+            draft_ms = time_forward(draft_step, args.repeats)
+            base = base or ms
+            print(f"| {T} | {ms:.1f} | {ms / base:.2f} | {draft_ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
