@@ -1,0 +1,298 @@
+"""The classic draft-model and prompt-lookup proposers on the speculative engine: greedy output
+equals plain greedy decoding token for token (fp32, ragged batch, chains of 1 and 4), a draft that
+is the target accepts every draft token (its cache stays aligned with the target's), and the n-gram
+matcher proposes what followed the latest earlier occurrence of the longest matching suffix."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eaglespec.config import ModelConfig, SamplingParams
+from eaglespec.draft.draft_model import DraftModelProposer
+from eaglespec.draft.lookup import NgramIndex, PromptLookupProposer
+from eaglespec.engine import generate_speculative
+from eaglespec.errors import ModelLoadError
+from eaglespec.generate import generate_stream
+from eaglespec.model.llama import Transformer
+from eaglespec.requests import RequestOutput
+
+V = 96
+PROMPTS = [[5, 17, 33, 2, 8, 5, 17], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
+MAX_TOKENS = [14, 9, 21]
+
+
+class _NullTokenizer:
+    """Enough of a tokenizer for the engine: no EOS, text is the ids."""
+
+    eos_ids: tuple[int, ...] = ()
+
+    def stream_decoder(self, prompt_ids=()):
+        class _D:
+            def push(self, tid: int) -> str:
+                return f"<{tid}>"
+
+            def flush(self) -> str:
+                return ""
+
+        return _D()
+
+
+def _tiny(seed: int, *, layers: int = 6, hidden: int = 64, kv_heads: int = 2, vocab: int = V):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // 4,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position=256,
+        tie_word_embeddings=False,
+    )
+    model = Transformer(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return _tiny(0)
+
+
+def _run(events) -> list[RequestOutput]:
+    outs = {e.index: e.output for e in events if e.output is not None}
+    return [outs[i] for i in sorted(outs)]
+
+
+def _params(lengths=MAX_TOKENS) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+
+
+def _spec(target, proposer, k, prompts=PROMPTS, params=None) -> list[RequestOutput]:
+    params = params or _params()
+    events = generate_speculative(target, proposer, _NullTokenizer(), prompts, params, num_draft=k)
+    return _run(events)
+
+
+def _assert_lossless(target, proposer, k, prompts=PROMPTS, params=None) -> list[RequestOutput]:
+    params = params or _params()
+    plain = _run(generate_stream(target, _NullTokenizer(), prompts, params))
+    spec = _spec(target, proposer, k, prompts, params)
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason == "length"
+    return spec
+
+
+# --- draft model ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("draft", ["same-object", "copy"])
+def test_draft_equal_to_target_accepts_everything(target: Transformer, k: int, draft: str) -> None:
+    model = target if draft == "same-object" else copy.deepcopy(target)
+    spec = _assert_lossless(target, DraftModelProposer(model, target_vocab_size=V), k)
+    for out in spec:
+        s = out.stats
+        assert s.rounds > 0
+        # Every draft token accepted in every round: mean accept length k + 1 exactly. A single
+        # off-by-one in the draft's positions or cache length would break this at once.
+        assert s.accepted_tokens == s.draft_tokens == k * s.rounds
+        assert s.mean_accept_length == k + 1
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_different_draft_is_lossless(target: Transformer, k: int) -> None:
+    # A smaller, differently shaped draft (2 layers, C 32, MQA) sharing only the vocabulary.
+    draft = _tiny(7, layers=2, hidden=32, kv_heads=1)
+    spec = _assert_lossless(target, DraftModelProposer(draft, target_vocab_size=V), k)
+    if k > 1:
+        assert any(o.stats.accepted_tokens < o.stats.draft_tokens for o in spec)
+
+
+def test_draft_model_prefill_and_catch_up_match_a_fresh_prefill(target: Transformer) -> None:
+    """After a round, the draft's cache equals a fresh prefill of the accepted sequence + root."""
+    draft = copy.deepcopy(target)
+    proposer = DraftModelProposer(draft, target_vocab_size=V)
+    prompts = torch.tensor([[5, 17, 33, 2], [9, 1, 0, 0]])
+    state = proposer.start(prompts, torch.tensor([40, 41]), [], [4, 2], 16)
+    assert state.cache.lengths == [5, 3]
+    proposer.propose(state, 3)
+    assert state.cache.lengths == [5, 3]  # scratch forgotten
+    # Row 0 accepts 2 drafts (d1 d2) then root 50; row 1 accepts none, root 51.
+    tokens = torch.tensor([[11, 12, 50], [51, 0, 0]])
+    state = proposer.catch_up(state, tokens, [], [3, 1])
+    assert state.cache.lengths == [8, 4]
+    seqs = [[5, 17, 33, 2, 40, 11, 12, 50], [9, 1, 41, 51]]
+    for row, seq in enumerate(seqs):
+        fresh = draft.new_cache(1, 16)
+        ids = torch.tensor([seq])
+        out = draft(ids, torch.arange(len(seq))[None], fresh)
+        n = len(seq)
+        torch.testing.assert_close(state.cache.k[:, row, :, :n], fresh.k[:, 0, :, :n])
+        torch.testing.assert_close(state.cache.v[:, row, :, :n], fresh.v[:, 0, :, :n])
+        assert state.first[row].item() == out.logits[0, -1].argmax().item()
+    # Rows leave the batch together with their state.
+    kept = proposer.select_rows(state, [1])
+    assert kept.cache.lengths == [4] and kept.first.tolist() == state.first[1:].tolist()
+
+
+def test_vocab_mismatch_is_a_load_error(target: Transformer) -> None:
+    draft = _tiny(3, layers=1, vocab=V + 32)
+    with pytest.raises(ModelLoadError, match=r"128 tokens.*96 tokens"):
+        DraftModelProposer(draft, target_vocab_size=target.cfg.vocab_size)
+
+
+# --- prompt lookup -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_lookup_is_lossless(target: Transformer, k: int) -> None:
+    _assert_lossless(target, PromptLookupProposer(), k)
+
+
+def _first_lap(tokens: list[int]) -> int:
+    """End of the first full lap of an eventually periodic sequence: the cycle starts at p with
+    period c, so tokens[: p + c] holds one whole lap."""
+    for c in range(1, len(tokens) // 2):
+        if all(tokens[j] == tokens[j + c] for j in range(len(tokens) - 2 * c, len(tokens) - c)):
+            p = len(tokens) - 2 * c
+            while p > 0 and tokens[p - 1] == tokens[p - 1 + c]:
+                p -= 1
+            return p + c
+    raise AssertionError(f"no cycle in {tokens}")
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_lookup_accepts_a_repeating_pattern(k: int) -> None:
+    # Attention zeroed: each next token depends on the current token only, so greedy decoding
+    # follows a map on 96 tokens and falls into a cycle. Once the history holds one lap, the
+    # latest earlier occurrence of any suffix is followed by the right tokens: all accepted.
+    bigram = _tiny(5, layers=2)
+    with torch.no_grad():
+        for block in bigram.layers:
+            block.attn.wo.weight.zero_()
+    plain = _run(generate_stream(bigram, _NullTokenizer(), PROMPTS, _params([60, 60, 60])))
+    prompts = [
+        p + o.token_ids[: _first_lap(o.token_ids)] for p, o in zip(PROMPTS, plain, strict=True)
+    ]
+    spec = _assert_lossless(bigram, PromptLookupProposer(), k, prompts, _params([25, 30, 31]))
+    for out in spec:
+        assert out.stats.accepted_tokens == out.stats.draft_tokens == k * out.stats.rounds
+
+
+def _index(history: list[int], max_ngram: int = 3, min_ngram: int = 1) -> NgramIndex:
+    index = NgramIndex(min_ngram, max_ngram)
+    index.extend(history)
+    return index
+
+
+@pytest.mark.parametrize(
+    ("history", "k", "want"),
+    [
+        ([1, 2, 3, 4, 1, 2], 3, [3, 4, 1]),  # n = 2 suffix [1, 2] at 0
+        ([1, 2, 3, 9, 2, 3, 5, 1, 2, 3], 2, [9, 2]),  # n = 3 wins over the later n = 2 match
+        ([4, 7, 1, 4, 8, 2, 4], 2, [8, 2]),  # n = 1: the most recent earlier 4, not the first
+        ([7, 8, 7, 8], 3, [7, 8, 7]),  # runs past the end: continues into its own proposal
+        ([5, 5], 4, [5, 5, 5, 5]),  # overlapping match
+        ([1, 2, 3], 2, [3, 3]),  # no match: the last token repeated
+        ([6], 3, [6, 6, 6]),  # just a root
+    ],
+)
+def test_ngram_match(history: list[int], k: int, want: list[int]) -> None:
+    assert _index(history).propose(k) == want
+
+
+def test_ngram_sizes_bound_the_match() -> None:
+    history = [1, 2, 3, 9, 2, 3, 5, 1, 2, 3]
+    assert _index(history, max_ngram=2).propose(2) == [5, 1]  # latest earlier [2, 3] is at 4
+    assert _index([1, 2, 3, 1], min_ngram=2).propose(2) == [1, 1]  # n = 1 would match [1] at 0
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupProposer(max_ngram=1, min_ngram=2)
+
+
+def _naive(history: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    for n in range(max_ngram, min_ngram - 1, -1):
+        suffix = history[-n:]
+        for i in range(len(history) - n - 1, -1, -1):
+            if len(history) > n and history[i : i + n] == suffix:
+                seq = list(history)
+                for j in range(k):
+                    seq.append(seq[i + n + j])
+                return seq[len(history) :]
+    return [history[-1]] * k
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    st.lists(st.integers(0, 4), max_size=10),
+    st.integers(1, 6),
+    st.integers(1, 4),
+)
+def test_incremental_index_matches_a_naive_search(
+    history: list[int], more: list[int], k: int, max_ngram: int
+) -> None:
+    index = _index(history, max_ngram)
+    assert index.propose(k) == _naive(history, k, max_ngram, 1)
+    index.extend(more)  # catch-up appends to a live index
+    assert index.propose(k) == _naive(history + more, k, max_ngram, 1)
+
+
+def test_lookup_proposer_tracks_rows_through_rounds() -> None:
+    proposer = PromptLookupProposer(max_ngram=2)
+    prompts = torch.tensor([[1, 2, 3, 4, 1], [8, 9, 0, 0, 0]])
+    state = proposer.start(prompts, torch.tensor([2, 8]), [], [5, 2], 32)
+    # Row 0: [1 2 3 4 1 2] -> [3 4 1]; row 1: [8 9 8] -> suffix [8] at 0 -> [9 8 9].
+    assert proposer.propose(state, 3).tolist() == [[3, 4, 1], [9, 8, 9]]
+    # Row 0 accepts 3 and 4, root 7; row 1 accepts nothing, root 5.
+    state = proposer.catch_up(state, torch.tensor([[3, 4, 7], [5, 0, 0]]), [], [3, 1])
+    assert state.rows[0].tokens == [1, 2, 3, 4, 1, 2, 3, 4, 7]
+    assert state.rows[1].tokens == [8, 9, 8, 5]
+    state = proposer.select_rows(state, [1])
+    assert proposer.propose(state, 2).tolist() == [[5, 5]]
+
+
+# --- both proposers ------------------------------------------------------------------------------
+
+PROPOSERS = {
+    "self-draft": lambda t: DraftModelProposer(t, target_vocab_size=V),
+    "small-draft": lambda t: DraftModelProposer(_tiny(7, layers=2, hidden=32), target_vocab_size=V),
+    "lookup": lambda t: PromptLookupProposer(),
+}
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_context_limit_shrinks_the_last_rounds(target: Transformer, name: str) -> None:
+    # A 24-token context: rounds near the end draft fewer than k tokens (or none), and the rows
+    # stop at the context limit exactly as plain decoding does.
+    short = Transformer(dataclasses.replace(target.cfg, max_position=24)).eval()
+    short.load_state_dict(target.state_dict())
+    short.requires_grad_(False)
+    spec = _assert_lossless(short, PROPOSERS[name](short), 4, params=_params([40, 40, 40]))
+    assert [len(p) + len(o.token_ids) for p, o in zip(PROMPTS, spec, strict=True)] == [24] * 3
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_sampled_rows_repeat_and_greedy_rows_stay_exact(target: Transformer, name: str) -> None:
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=12, ignore_eos=True),
+    ]
+    a = _spec(target, PROPOSERS[name](target), 3, PROMPTS[:2], params)
+    b = _spec(target, PROPOSERS[name](target), 3, PROMPTS[:2], params)
+    assert a[0].token_ids == b[0].token_ids
+    plain = _run(generate_stream(target, _NullTokenizer(), PROMPTS[1:2], params[1:]))
+    assert a[1].token_ids == plain[0].token_ids
