@@ -2,12 +2,15 @@
 
     python benchmarks/plain_decode.py [--model smollm2-135m] [--dtypes float32 bfloat16]
                                       [--tokens 128] [--repeats 3] [--profile]
+                                      [--quant none int8]
 
 Both engines decode the same chat-templated prompt greedily for --tokens new tokens (EOS ignored),
 interleaved run by run so that drifts in machine speed hit both alike. Decode speed is measured the
 same way for both: tokens after the first over the time after the first token (a streamer stamps
 transformers' tokens). Medians over --repeats. `--profile` adds a per-token breakdown of
-eaglespec's decode step by operator family. Needs `transformers` and `accelerate` (the test extra).
+eaglespec's decode step by operator family. `--quant none int8` adds a row per quantization mode
+(eaglespec only: transformers keeps its reference weights), all interleaved in the same runs.
+Needs `transformers` and `accelerate` (the test extra).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections import defaultdict
 import torch
 
 from eaglespec import LLM, SamplingParams
+from eaglespec.model.quant import QUANT_MODES
 from eaglespec.registry import resolve_model
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -94,7 +98,7 @@ def profile_step(llm: LLM, ids: list[int], steps: int = 30) -> dict[str, float]:
                 cache.advance([1])
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
     families = {
-        "matmul (weights)": ("aten::mm", "aten::addmm"),
+        "matmul (weights)": ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm"),
         "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
         "rms_norm": ("aten::_fused_rms_norm",),
     }
@@ -118,6 +122,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
+        "--quant",
+        nargs="+",
+        choices=QUANT_MODES,
+        default=["none"],
+        help="eaglespec's weight quantization (model/quant.py), one row each, interleaved run by "
+        "run with the others and transformers; transformers is unchanged",
+    )
+    ap.add_argument(
         "--reference",
         choices=["gguf", "dense"],
         default="gguf",
@@ -131,7 +143,8 @@ def main() -> None:
     path = resolve_model(args.model)
     print(
         f"model {path.name}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"threads {torch.get_num_threads()}, reference: transformers {args.reference}"
+        f"threads {torch.get_num_threads()}, reference: transformers {args.reference}, "
+        f"eaglespec quant: {args.quant}"
     )
     print(
         "| dtype | eaglespec load s | eaglespec tok/s "
@@ -139,9 +152,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|")
     for dtype in args.dtypes:
-        t = time.perf_counter()
-        llm = LLM(str(path), dtype=dtype, progress=False)
-        ours_load = time.perf_counter() - t
+        llms, loads = {}, {}
+        for quant in args.quant:
+            t = time.perf_counter()
+            llms[quant] = LLM(str(path), dtype=dtype, quant=quant, progress=False)
+            loads[quant] = time.perf_counter() - t
         t = time.perf_counter()
         if args.reference == "gguf":
             ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -150,19 +165,34 @@ def main() -> None:
         else:
             ref = dense_transformers(path, getattr(torch, dtype))
         ref_load = time.perf_counter() - t
-        ids = llm.encode(PROMPT)
-        run_eaglespec(llm, ids, 8)  # warm-up
+        ids = llms[args.quant[0]].encode(PROMPT)
+        for llm in llms.values():
+            run_eaglespec(llm, ids, 8)  # warm-up
         run_transformers(ref, ids, 8)
-        ours, theirs = [], []
+        ours: dict[str, list[float]] = {quant: [] for quant in llms}
+        theirs: list[float] = []
         for _ in range(args.repeats):
-            ours.append(run_eaglespec(llm, ids, args.tokens))
+            for quant, llm in llms.items():
+                ours[quant].append(run_eaglespec(llm, ids, args.tokens))
             theirs.append(run_transformers(ref, ids, args.tokens))
-        a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"| {dtype} | {ours_load:.2f} | {a:.1f} | {ref_load:.2f} | {b:.1f} | {a / b:.2f}x |")
+        b = statistics.median(theirs)
+        for quant, runs in ours.items():
+            a = statistics.median(runs)
+            label = dtype if quant == "none" else f"{dtype} {quant}"
+            print(
+                f"| {label} | {loads[quant]:.2f} | {a:.1f} | {ref_load:.2f} | {b:.1f} "
+                f"| {a / b:.2f}x |"
+            )
+        runs_text = "; ".join(
+            f"{q}: {', '.join(f'{v:.1f}' for v in runs)}" for q, runs in ours.items()
+        )
+        print(f"    {dtype} runs, eaglespec {runs_text}; transformers: ", end="")
+        print(", ".join(f"{v:.1f}" for v in theirs))
         if args.profile:
-            for family, ms in profile_step(llm, ids).items():
-                print(f"    {dtype} {family}: {ms:.1f} ms/token")
-        del ref, llm
+            for quant, llm in llms.items():
+                for family, ms in profile_step(llm, ids).items():
+                    print(f"    {dtype} {quant} {family}: {ms:.1f} ms/token")
+        del ref, llms
 
 
 if __name__ == "__main__":

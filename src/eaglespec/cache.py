@@ -164,7 +164,7 @@ def attention_mask(
     if new_mask is None:
         return (s <= length + t)[:, None]  # prefix plus causal among the new tokens
     W = new_mask.shape[2]
-    assert W >= num_new and new_mask.shape[:2] == (B, num_new), tuple(new_mask.shape)
+    assert num_new <= W and new_mask.shape[:2] == (B, num_new), tuple(new_mask.shape)
     j = s - (length + num_new - W)  # (B, 1, K): column of new_mask, negative before the window
     inside = (j >= 0) & (j < W)
     picked = torch.gather(new_mask, 2, j.clamp(0, W - 1).expand(B, num_new, K))  # (B, T, K)

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from eaglespec.config import SamplingParams
-from eaglespec.errors import EaglespecError
+from eaglespec.config import SamplingParams, TreeConfig
+from eaglespec.errors import EaglespecError, InvalidRequestError
+from eaglespec.methods import METHODS
+from eaglespec.model.quant import QUANT_MODES
 from eaglespec.registry import DEFAULT_MODEL, MODELS, list_models, pull
 
 
@@ -34,8 +36,39 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--quant",
+        choices=QUANT_MODES,
+        default="none",
+        help="weight-only quantization of the linear layers: int8 (CPU only) stores int8 "
+        "weights with per-channel scales and uses bf16 activations in each matmul (the kernel's "
+        "only fast input dtype); with --dtype float32 the inputs are cast to bf16 and back "
+        "around each matmul, the rest of the model stays fp32",
+    )
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--method",
+        choices=METHODS,
+        help="eagle3 (default when --draft is given), draft-model, lookup, or none (plain)",
+    )
+    spec.add_argument(
+        "--draft",
+        help="eagle3: an EAGLE-3 checkpoint folder, or 'random' (a seeded random head: exact "
+        "output, little acceptance); draft-model: a model name or path; 'none': plain decoding",
+    )
+    spec.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per round (chain)")
+    spec.add_argument(
+        "--tree",
+        metavar="DEPTH,TOPK,NODES",
+        help="draft an EAGLE-2 dynamic tree instead of a chain, e.g. 4,4,16 (eagle3 only)",
+    )
+    spec.add_argument(
+        "--capture",
+        metavar="B1,B2,B3",
+        help="override the target layers the EAGLE-3 head reads (boundary indices)",
+    )
 
 
 def _add_pull(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -71,7 +104,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quant=args.quant,
+        progress=not args.json,
+        method=args.method or ("none" if args.draft in (None, "none") else "eagle3"),
+        draft=None if args.draft == "none" else args.draft,
+        num_draft=args.draft_tokens,
+        tree=_tree(args.tree),
+        capture=_ints(args.capture, "--capture") if args.capture else None,
+    )
     ids = llm.encode(prompt, chat=not args.raw, system=args.system)
     output = None
     for event in llm.stream([ids], params):
@@ -96,10 +140,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tok/s decode, "
             f"prefill {stats['prefill_seconds']:.2f} s ({stats['prompt_tokens']} tokens), "
-            f"load {stats['load_seconds']:.2f} s, {output.finish_reason}]",
+            f"load {stats['load_seconds']:.2f} s, {output.finish_reason}"
+            + (
+                f", {llm.method}: mean acceptance length {stats['mean_accept_length']:.2f} "
+                f"over {stats['rounds']} rounds]"
+                if output.stats.rounds
+                else "]"
+            ),
             file=sys.stderr,
         )
     return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InvalidRequestError(f"{flag} takes comma-separated integers, got '{text}'") from None
+
+
+def _tree(text: str | None) -> TreeConfig | None:
+    if text is None:
+        return None
+    values = _ints(text, "--tree")
+    if len(values) != 3:
+        raise InvalidRequestError(f"--tree takes DEPTH,TOPK,NODES, got '{text}'")
+    return TreeConfig(depth=values[0], top_k=values[1], num_nodes=values[2])
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

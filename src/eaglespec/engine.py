@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from eaglespec.cache import KVCache
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer, TreeProposer
 from eaglespec.errors import InvalidRequestError
@@ -36,6 +38,34 @@ from eaglespec.tree import DraftTree, chain_tree, verify_positions
 from eaglespec.verify import VerifyResult, verify_greedy, verify_sampled
 
 
+@dataclass
+class SpecBatch:
+    """The device-side state of the rows still generating."""
+
+    cache: KVCache  # the target's
+    draft: Any  # the proposer's state
+    roots: torch.Tensor  # (B,) tokens the target chose last, not yet in its cache
+    st: SamplingTensors
+    generators: list[torch.Generator | None]
+
+    def select(self, proposer: Proposer, rows: list[int]) -> SpecBatch:
+        idx = torch.tensor(rows, device=self.roots.device)
+        return SpecBatch(
+            self.cache.select_rows(rows),
+            proposer.select_rows(self.draft, rows),
+            self.roots[idx],
+            self.st.select(idx),
+            [self.generators[r] for r in rows],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutput:
+    drafted: int  # draft positions this round: chain length or tree depth
+    accepted: list[int]  # draft tokens accepted, per row
+    tokens: list[list[int]]  # per row: the accepted draft tokens, then the next root
+
+
 def generate_speculative(
     target: Transformer,
     proposer: Proposer,
@@ -50,71 +80,99 @@ def generate_speculative(
     an EAGLE-2 dynamic tree of `tree.num_nodes` tokens when `tree` is given."""
     if any(p.repetition_penalty != 1 for p in params):
         raise InvalidRequestError("repetition_penalty is not supported with speculative decoding")
-    grower = proposer if isinstance(proposer, TreeProposer) else None
     if tree is not None:
-        if grower is None:
+        if not isinstance(proposer, TreeProposer):
             raise InvalidRequestError("tree drafting needs an EAGLE-3 head (--method eagle3)")
         num_draft = tree.num_nodes
     limit, device = target.cfg.context_limit, target.device
     seqs = new_states(prompts, params, tokenizer, limit, device)
     longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
     capacity = min(limit, longest + num_draft + 1)
-    cache = target.new_cache(len(seqs), capacity)
-    st = SamplingTensors.from_params(params, device)
+    eos = set(tokenizer.eos_ids)
     start = time.perf_counter()
+    batch = start_batch(target, proposer, prompts, params, seqs, capacity)
+    first = batch.roots.tolist()  # sync: the first token of every row
+    now = time.perf_counter()
+    active, keep = seqs, []
+    for row, seq in enumerate(seqs):
+        account_time(seq.out.stats, start, now)
+        event = _emit(seq, [first[row]], eos, limit)
+        yield event
+        if event.output is None:
+            keep.append(row)
+    while keep:
+        if len(keep) < len(active):
+            active, batch = [active[r] for r in keep], batch.select(proposer, keep)
+        result = speculate_round(target, proposer, batch, capacity, num_draft, tree)
+        now = time.perf_counter()
+        keep = []
+        for row, seq in enumerate(active):
+            seq.out.stats.record_round(result.drafted, result.accepted[row])
+            account_time(seq.out.stats, start, now)
+            event = _emit(seq, result.tokens[row], eos, limit)
+            yield event
+            if event.output is None:
+                keep.append(row)
 
+
+def start_batch(
+    target: Transformer,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    seqs: Sequence[RequestState],
+    capacity: int,
+) -> SpecBatch:
+    """Target prefill (ragged, capturing what the proposer reads), first tokens, proposer start."""
+    device = target.device
+    cache = target.new_cache(len(prompts), capacity)
+    st = SamplingTensors.from_params(params, device)
+    generators = [s.generator for s in seqs]
     ids, lengths = pad_right(prompts, device)
     last = torch.tensor([[n - 1] for n in lengths], device=device)
     out: ForwardOutput = target(
         ids, _arange_rows(ids), cache, capture=proposer.capture, logit_index=last
     )
     cache.advance(lengths)
-    roots = next_tokens(out.logits[:, 0], st, None, [s.generator for s in seqs])
+    roots = next_tokens(out.logits[:, 0], st, None, generators)
     draft = proposer.start(ids, roots, out.hidden, lengths, capacity)
-    first = roots.tolist()  # sync: the first token of every row
-    now = time.perf_counter()
-    active, keep = seqs, []
-    for row, seq in enumerate(seqs):
-        account_time(seq.out.stats, start, now)
-        event = _emit(seq, [first[row]], set(tokenizer.eos_ids), limit)
-        yield event
-        if event.output is None:
-            keep.append(row)
-    while keep:
-        if len(keep) < len(active):
-            active, roots, st = _select(active, keep, roots, st)
-            draft = proposer.select_rows(draft, keep)
-            cache = cache.select_rows(keep)
-        room = capacity - max(cache.lengths) - 1
-        if tree is not None and grower is not None and room >= tree.num_nodes:
-            drafted = grower.propose_tree(draft, roots, tree)
-        else:  # a chain, shortened near the end of the cache
-            k = max(0, min(num_draft, room))
-            drafted = chain_tree(roots, proposer.propose(draft, k) if k else roots[:, :0])
-        k = drafted.max_depth  # draft positions, for the per-position statistics
-        positions = verify_positions(drafted, torch.tensor(cache.lengths, device=device))
-        out = target(
-            drafted.tokens, positions, cache, attn_mask=drafted.mask, capture=proposer.capture
-        )
-        result = _verify(drafted, out.logits, st, [s.generator for s in active])
-        path_tokens = torch.gather(drafted.tokens, 1, result.path.clamp(min=0))  # (B, D + 1)
-        host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
-        rows_host = host.tolist()  # sync: the round's tokens, once for all rows
-        accepted = [r[0] for r in rows_host]
-        cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
-        now = time.perf_counter()
-        keep = []
-        for row, (seq, r) in enumerate(zip(active, rows_host, strict=True)):
-            seq.out.stats.record_round(k, r[0])
-            account_time(seq.out.stats, start, now)
-            event = _emit(seq, r[3 : 3 + r[0]] + [r[1]], set(tokenizer.eos_ids), limit)
-            yield event
-            if event.output is None:
-                keep.append(row)
-        if not keep:
-            return
-        draft = _catch_up(proposer, draft, out, result, path_tokens, accepted)
-        roots = result.next_token
+    return SpecBatch(cache, draft, roots, st, generators)
+
+
+def speculate_round(
+    target: Transformer,
+    proposer: Proposer,
+    batch: SpecBatch,
+    capacity: int,
+    num_draft: int,
+    tree: TreeConfig | None,
+) -> RoundOutput:
+    """Propose, verify in one target forward, commit both caches; updates `batch` in place."""
+    room = capacity - max(batch.cache.lengths) - 1
+    if tree is not None and isinstance(proposer, TreeProposer) and room >= tree.num_nodes:
+        drafted = proposer.propose_tree(batch.draft, batch.roots, tree)
+    else:  # a chain, shortened near the end of the cache
+        k = max(0, min(num_draft, room))
+        roots = batch.roots
+        drafted = chain_tree(roots, proposer.propose(batch.draft, k) if k else roots[:, :0])
+    prefix = torch.tensor(batch.cache.lengths, device=batch.roots.device)
+    out: ForwardOutput = target(
+        drafted.tokens,
+        verify_positions(drafted, prefix),
+        batch.cache,
+        attn_mask=drafted.mask,
+        capture=proposer.capture,
+    )
+    result = _verify(drafted, out.logits, batch.st, batch.generators)
+    path_tokens = torch.gather(drafted.tokens, 1, result.path.clamp(min=0))  # (B, D + 1)
+    host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
+    rows = host.tolist()  # sync: the round's tokens, once for all rows
+    accepted = [r[0] for r in rows]
+    batch.cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
+    batch.draft = _catch_up(proposer, batch.draft, out, result, path_tokens, accepted)
+    batch.roots = result.next_token
+    tokens = [r[3 : 3 + r[0]] + [r[1]] for r in rows]
+    return RoundOutput(drafted.max_depth, accepted, tokens)
 
 
 def _arange_rows(ids: torch.Tensor) -> torch.Tensor:
@@ -170,10 +228,3 @@ def _emit(seq: RequestState, tokens: list[int], eos: set[int], limit: int) -> St
             break
     assert event is not None
     return StreamEvent(event.index, text, new_ids, event.output)
-
-
-def _select(
-    active: list[RequestState], keep: list[int], roots: torch.Tensor, st: SamplingTensors
-) -> tuple[list[RequestState], torch.Tensor, SamplingTensors]:
-    rows = torch.tensor(keep, device=roots.device)
-    return [active[r] for r in keep], roots[rows], st.select(rows)

@@ -7,8 +7,11 @@ from typing import cast
 
 import torch
 
-from eaglespec.config import ModelConfig, SamplingParams
+from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
+from eaglespec.draft.base import Proposer
+from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
+from eaglespec.methods import make_proposer
 from eaglespec.model.llama import Transformer
 from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.registry import DEFAULT_MODEL, resolve_model
@@ -24,6 +27,7 @@ class LLM:
 
     `model` is a registry name (pulled on first use), a GGUF file or a Hugging Face folder.
     String prompts get the model's chat template when `chat=True` and the model has one.
+    `quant="int8"` stores the linear layers as int8 weights (CPU only; see model/quant.py).
     """
 
     def __init__(
@@ -32,10 +36,28 @@ class LLM:
         *,
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
+        quant: str = "none",
         progress: bool = True,
+        method: str | None = None,
+        draft: str | None = None,
+        num_draft: int = 4,
+        tree: TreeConfig | None = None,
+        capture: Sequence[int] | None = None,
     ) -> None:
+        """Speculative decoding: `method` "eagle3" (with `draft` an EAGLE-3 checkpoint folder, or
+        "random" for a seeded random head, which tests the mechanics but accepts little),
+        "draft-model" (`draft` a smaller model with the same tokenizer), "lookup" (prompt
+        n-grams) or "none". Default: "eagle3" when `draft` is given, else "none". `num_draft`
+        tokens per round in a chain, or an EAGLE-2 tree of shape `tree` (eagle3 only);
+        `capture` overrides the head's target layers (boundary indices)."""
         self.loaded: LoadedModel = load_model(
-            resolve_model(model, progress=progress), dtype=dtype, device=device
+            resolve_model(model, progress=progress), dtype=dtype, device=device, quant=quant
+        )
+        self.method = method or ("eagle3" if draft else "none")
+        self.num_draft = num_draft
+        self.tree = tree
+        self.proposer: Proposer | None = make_proposer(
+            self.method, draft, self.loaded, capture=capture, progress=progress
         )
 
     @property
@@ -67,7 +89,17 @@ class LLM:
         chat: bool = True,
     ) -> Iterator[StreamEvent]:
         ids, plist = self._requests(prompts, params, chat)
-        return generate_stream(self.model, self.tokenizer, ids, plist)
+        if self.proposer is None:
+            return generate_stream(self.model, self.tokenizer, ids, plist)
+        return generate_speculative(
+            self.model,
+            self.proposer,
+            self.tokenizer,
+            ids,
+            plist,
+            num_draft=self.num_draft,
+            tree=self.tree,
+        )
 
     def generate(
         self,

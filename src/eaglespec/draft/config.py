@@ -303,9 +303,11 @@ def _capture_ids(
 
 
 def default_capture(num_target_layers: int) -> tuple[int, int, int]:
-    """EAGLE's low/mid/high boundaries: the inputs of layers 2, N//2 and N-3."""
+    """EAGLE's low/mid/high boundaries: the inputs of layers 2, N//2 and N-3. Targets shallower
+    than 5 layers (test models) get those clamped into [0, N] and sorted: N = 2 -> (0, 1, 2)."""
     n = num_target_layers
-    return (2, n // 2, n - 3)
+    low, mid, high = sorted(min(max(b, 0), n) for b in (2, n // 2, n - 3))
+    return (low, mid, high)
 
 
 def resolve_capture_layers(

@@ -1,5 +1,6 @@
 """Build a `Transformer` from a checkpoint: config from the checkpoint itself, the module on the
 meta device, then each parameter read once (dequantized, fused, cast) and assigned without copies.
+Weight-only quantization (`quant`, see model/quant.py) is applied last, whatever the source.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from eaglespec.errors import InvalidRequestError, ModelLoadError
 from eaglespec.model.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
+from eaglespec.model.quant import check_quant_mode, quantize_model
 from eaglespec.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,13 +42,22 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(
-    path: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu"
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = torch.float32,
+    device: str = "cpu",
+    quant: str = "none",
 ) -> LoadedModel:
+    """`quant` "int8" quantizes the linear layers after loading (from the weights in `dtype`);
+    the int8 kernel runs bf16 activations inside each layer whatever `dtype` is."""
     start = time.perf_counter()
     path = Path(path)
+    check_quant_mode(quant)  # before the (slow) load, not after
+    dtype = parse_dtype(dtype)
     ckpt = open_checkpoint(path)
     cfg = ModelConfig.from_hf_dict(ckpt.config, source=str(path))
-    model = build_model(ckpt, cfg, parse_dtype(dtype), torch.device(device))
+    model = build_model(ckpt, cfg, dtype, torch.device(device))
+    quantize_model(model, quant)
     if isinstance(ckpt, GGUFCheckpoint):
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.file.metadata)
     else:

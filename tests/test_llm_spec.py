@@ -1,0 +1,59 @@
+"""Speculative decoding through the public API and the CLI: every method's greedy output equals
+plain decoding, and the statistics come back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eaglespec import LLM, SamplingParams
+from eaglespec.cli import main
+from eaglespec.config import TreeConfig
+from eaglespec.errors import InvalidRequestError
+
+PROMPTS = ["Once upon a time", "def add(a, b):", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_hf_folder: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_hf_folder), progress=False)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), chat=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"draft": "random"},
+        {"draft": "random", "tree": TreeConfig(depth=3, top_k=3, num_nodes=8)},
+        {"method": "lookup"},
+        {"method": "draft-model", "draft": "SELF"},
+    ],
+    ids=["eagle3-chain", "eagle3-tree", "lookup", "draft-model"],
+)
+def test_methods_equal_plain_greedy(tiny_hf_folder: Path, plain, kwargs) -> None:
+    if kwargs.get("draft") == "SELF":
+        kwargs = {**kwargs, "draft": str(tiny_hf_folder)}
+    llm = LLM(str(tiny_hf_folder), progress=False, num_draft=3, **kwargs)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), chat=False)
+    assert [o.token_ids for o in outs] == plain
+    assert all(o.stats.rounds > 0 for o in outs)
+    if kwargs.get("method") == "draft-model":  # the draft is the target: everything accepted
+        assert all(o.stats.mean_accept_length > 3.0 for o in outs)
+
+
+def test_bad_combinations_are_named(tiny_hf_folder: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="draft"):
+        LLM(str(tiny_hf_folder), progress=False, method="draft-model")
+    with pytest.raises(InvalidRequestError, match="method"):
+        LLM(str(tiny_hf_folder), progress=False, method="medusa")
+
+
+def test_cli_json_has_speculative_stats(tiny_hf_folder: Path, capsys) -> None:
+    args = ["generate", "--model", str(tiny_hf_folder), "--draft", "random", "--json"]
+    assert main([*args, "--max-tokens", "8", "--ignore-eos", "--raw", "Once"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["rounds"] >= 1 and stats["mean_accept_length"] >= 1.0
+    assert isinstance(stats["accept_rate_by_position"], list)

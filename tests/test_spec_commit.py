@@ -1,0 +1,110 @@
+"""After a speculation round, both caches equal a fresh prefill of the accepted sequence: the
+target's K/V for prompt + accepted tokens, and the EAGLE-3 head's K/V (and its next-step output)
+for the pairs (x_{p+1}, g_p) computed from the target's own states of that sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglespec.config import ModelConfig, SamplingParams
+from eaglespec.draft.loader import random_eagle3
+from eaglespec.draft.proposer import DraftState, Eagle3Proposer
+from eaglespec.engine import speculate_round, start_batch
+from eaglespec.generate import generate_stream
+from eaglespec.model.llama import Transformer
+from eaglespec.requests import new_states
+
+CAPTURE = (1, 3, 4)
+# Same math in other chunkings (a round's T tokens vs one prefill): fp32 rounding differs slightly.
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+class _Tok:
+    eos_ids: tuple[int, ...] = ()
+
+    def stream_decoder(self, prompt_ids=()):
+        class _D:
+            def push(self, tid: int) -> str:
+                return ""
+
+            def flush(self) -> str:
+                return ""
+
+        return _D()
+
+
+class _HalfRightProposer(Eagle3Proposer):
+    """The real head and its cache bookkeeping, but chains whose first `right` tokens are the
+    target's greedy continuation and the rest wrong, so a known number gets accepted."""
+
+    def __init__(self, head, continuations: list[list[int]], right: list[int]) -> None:
+        super().__init__(head, CAPTURE)
+        self.continuations = continuations  # per row, starting after the current root
+        self.right = right
+
+    def propose(self, state: DraftState, k: int) -> torch.Tensor:
+        super().propose(state, k)  # run the real scratch steps too (they must leave no trace)
+        rows = []
+        for cont, r in zip(self.continuations, self.right, strict=True):
+            rows.append([cont[j] if j < r else (cont[j] + 1) % 64 for j in range(k)])
+        return torch.tensor(rows)
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position=128,
+        tie_word_embeddings=False,
+    )
+    model = Transformer(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    return model
+
+
+def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
+    prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
+    greedy = [
+        e.output.token_ids
+        for e in generate_stream(target, _Tok(), prompts, params)
+        if e.output is not None
+    ]
+    head = random_eagle3(target, seed=1)
+    right = [3, 1]  # row 0 accepts 3 of 4 drafts, row 1 accepts 1
+    proposer = _HalfRightProposer(head, [g[1:] for g in greedy], right)
+    seqs = new_states(prompts, params, _Tok(), 128, target.device)
+    batch = start_batch(target, proposer, prompts, params, seqs, capacity=32)
+    out = speculate_round(target, proposer, batch, 32, num_draft=4, tree=None)
+    assert out.accepted == right
+    for row, (prompt, g) in enumerate(zip(prompts, greedy, strict=True)):
+        seq = prompt + g[: 1 + right[row]]  # prompt, first root, accepted drafts
+        assert out.tokens[row] == g[1 : 2 + right[row]]  # accepted + next root
+        n = len(seq)
+        fresh = target.new_cache(1, 32)
+        ref = target(torch.tensor([seq]), torch.arange(n)[None], fresh, capture=CAPTURE)
+        assert batch.cache.lengths[row] == n
+        torch.testing.assert_close(batch.cache.k[:, row, :, :n], fresh.k[:, 0, :, :n], **TOL)
+        torch.testing.assert_close(batch.cache.v[:, row, :, :n], fresh.v[:, 0, :, :n], **TOL)
+        # The head: pairs (x_{p+1}, g_p) for p < n, x_n being the next root.
+        nxt = torch.tensor([seq[1:] + [g[1 + right[row]]]])
+        head_cache = head.new_cache(1, 32)
+        hd = head(nxt, head.combine(ref.hidden), torch.arange(n)[None], head_cache)
+        state = batch.draft
+        assert state.cache.lengths[row] == n
+        torch.testing.assert_close(state.cache.k[:, row, :, :n], head_cache.k[:, 0, :, :n], **TOL)
+        torch.testing.assert_close(state.logits[row], hd.logits[0, -1], **TOL)
+        torch.testing.assert_close(state.prenorm[row], hd.prenorm[0, -1], **TOL)
