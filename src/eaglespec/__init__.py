@@ -1,7 +1,7 @@
 """eaglespec: a PyTorch LLM inference engine built around EAGLE-3 speculative decoding."""
 
-from eaglespec.config import SamplingParams
+from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "TreeConfig"]
 __version__ = "0.1.0"
