@@ -57,3 +57,22 @@ def test_cli_json_has_speculative_stats(tiny_hf_folder: Path, capsys) -> None:
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["rounds"] >= 1 and stats["mean_accept_length"] >= 1.0
     assert isinstance(stats["accept_rate_by_position"], list)
+
+
+def test_cli_with_a_saved_eagle3_checkpoint(tiny_hf_folder: Path, tmp_path: Path, capsys) -> None:
+    """A head saved in the native format loads by path; the report states sharing and capture,
+    and the output equals plain greedy."""
+    from eaglespec.draft.config import default_capture
+    from eaglespec.draft.loader import random_eagle3, save_eagle3
+
+    target = LLM(str(tiny_hf_folder), progress=False)
+    layers = default_capture(target.config.num_layers)
+    head = random_eagle3(target.model, seed=3, draft_vocab_size=128, capture=layers)
+    save_eagle3(head, tmp_path / "head", layers, num_target_layers=target.config.num_layers)
+    args = ["generate", "--model", str(tiny_hf_folder), "--draft", str(tmp_path / "head")]
+    assert main([*args, "--json", "--max-tokens", "10", "--ignore-eos", "--raw", "Once"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["method"] == "eagle3" and "embed_tokens" in result["draft"]
+    assert "MB saved" in result["draft"] and str(layers) in result["draft"]
+    plain = target.generate("Once", SamplingParams(max_tokens=10, ignore_eos=True), chat=False)
+    assert result["token_ids"] == plain[0].token_ids

@@ -116,6 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tree=_tree(args.tree),
         capture=_ints(args.capture, "--capture") if args.capture else None,
     )
+    if llm.draft_report and not args.json:
+        print(f"[{llm.method}: {llm.draft_report}]", file=sys.stderr)
     ids = llm.encode(prompt, chat=not args.raw, system=args.system)
     output = None
     for event in llm.stream([ids], params):
@@ -133,6 +135,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "token_ids": output.token_ids,
             "finish_reason": output.finish_reason,
             "stats": stats,
+            "method": llm.method,
+            "draft": llm.draft_report,
         }
         print(json.dumps(result))
     else:

@@ -56,9 +56,9 @@ class LLM:
         self.method = method or ("eagle3" if draft else "none")
         self.num_draft = num_draft
         self.tree = tree
-        self.proposer: Proposer | None = make_proposer(
-            self.method, draft, self.loaded, capture=capture, progress=progress
-        )
+        spec = make_proposer(self.method, draft, self.loaded, capture=capture, progress=progress)
+        self.proposer: Proposer | None = spec.proposer
+        self.draft_report = spec.report  # one line on the draft, "" for plain decoding
 
     @property
     def model(self) -> Transformer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from eaglespec.draft.base import Proposer
 from eaglespec.draft.config import default_capture
@@ -17,6 +18,12 @@ from eaglespec.registry import resolve_model
 METHODS = ("eagle3", "draft-model", "lookup", "none")
 
 
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    proposer: Proposer | None  # None: plain decoding
+    report: str  # one line on what drafts, for the CLI's load report ("" for plain decoding)
+
+
 def make_proposer(
     method: str,
     draft: str | None,
@@ -24,15 +31,15 @@ def make_proposer(
     *,
     capture: Sequence[int] | None = None,
     progress: bool = True,
-) -> Proposer | None:
-    """None for plain decoding. `draft` is an EAGLE-3 folder (or "random") for eagle3, a model
-    name or path for draft-model, unused for lookup."""
+) -> Speculation:
+    """`draft` is an EAGLE-3 folder (or "random") for eagle3, a model name or path for
+    draft-model, unused for lookup."""
     if method not in METHODS:
         raise InvalidRequestError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
     if method == "none":
-        return None
+        return Speculation(None, "")
     if method == "lookup":
-        return PromptLookupProposer()
+        return Speculation(PromptLookupProposer(), "prompt lookup (n-grams of the context)")
     if not draft or draft == "none":
         raise InvalidRequestError(
             f"method '{method}' needs a draft: "
@@ -41,9 +48,20 @@ def make_proposer(
     model = target.model
     if method == "draft-model":
         small = load_model(resolve_model(draft, progress=progress), dtype=model.dtype)
-        return DraftModelProposer(small.model, target_vocab_size=model.cfg.vocab_size)
+        proposer = DraftModelProposer(small.model, target_vocab_size=model.cfg.vocab_size)
+        params = sum(p.numel() for p in small.model.parameters())
+        return Speculation(proposer, f"draft model {small.path.name} ({params / 1e6:.0f}M params)")
     if draft == "random":
         layers = tuple(capture) if capture else default_capture(model.cfg.num_layers)
-        return Eagle3Proposer(random_eagle3(model, seed=0, capture=layers), layers)
+        head = random_eagle3(model, seed=0, capture=layers)
+        return Speculation(
+            Eagle3Proposer(head, layers), f"random EAGLE-3 head (seed 0), capture {layers}"
+        )
     loaded = load_eagle3(draft, model, capture=capture)
-    return Eagle3Proposer(loaded.head, loaded.capture)
+    r = loaded.report
+    shared = f", shares {' and '.join(r.shared)} ({r.shared_bytes / 1e6:.1f} MB saved)"
+    line = (
+        f"EAGLE-3 head {r.folder.name} ({r.format}, {r.own_bytes / 1e6:.1f} MB own"
+        f"{shared if r.shared else ''}), capture {r.capture} ({r.capture_origin})"
+    )
+    return Speculation(Eagle3Proposer(loaded.head, loaded.capture), line)
