@@ -6,47 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
+from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.model.llama import Transformer
+from helpers import NullTokenizer, tiny_target
 
 SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
 
 
-class _Tok:
-    eos_ids: tuple[int, ...] = ()
-
-    def stream_decoder(self, prompt_ids=()):
-        class _D:
-            def push(self, tid: int) -> str:
-                return "x"
-
-            def flush(self) -> str:
-                return ""
-
-        return _D()
-
-
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=5,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position=128,
-        tie_word_embeddings=True,
+    return tiny_target(
+        0, vocab=64, layers=5, hidden=32, max_position=128, tied=True, wide_init=False
     )
-    return Transformer(cfg).eval().requires_grad_(False)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -67,7 +41,7 @@ def test_one_sync_per_round(target, monkeypatch, sampled: bool, tree: TreeConfig
 
         monkeypatch.setattr(torch.Tensor, name, counting)
     events = generate_speculative(
-        target, proposer, _Tok(), [[1, 2, 3, 4], [5, 6]], params, num_draft=3, tree=tree
+        target, proposer, NullTokenizer(), [[1, 2, 3, 4], [5, 6]], params, num_draft=3, tree=tree
     )
     outs = [e.output for e in events if e.output is not None]
     monkeypatch.undo()

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eaglespec.config import ModelConfig, SamplingParams
+from eaglespec.config import SamplingParams
 from eaglespec.draft.draft_model import DraftModelProposer
 from eaglespec.draft.lookup import NgramIndex, PromptLookupProposer
 from eaglespec.engine import generate_speculative
@@ -21,54 +21,16 @@ from eaglespec.errors import ModelLoadError
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import RequestOutput
+from helpers import NullTokenizer, tiny_target
 
 V = 96
 PROMPTS = [[5, 17, 33, 2, 8, 5, 17], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
 MAX_TOKENS = [14, 9, 21]
 
 
-class _NullTokenizer:
-    """Enough of a tokenizer for the engine: no EOS, text is the ids."""
-
-    eos_ids: tuple[int, ...] = ()
-
-    def stream_decoder(self, prompt_ids=()):
-        class _D:
-            def push(self, tid: int) -> str:
-                return f"<{tid}>"
-
-            def flush(self) -> str:
-                return ""
-
-        return _D()
-
-
-def _tiny(seed: int, *, layers: int = 6, hidden: int = 64, kv_heads: int = 2, vocab: int = V):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_layers=layers,
-        num_heads=4,
-        num_kv_heads=kv_heads,
-        head_dim=hidden // 4,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position=256,
-        tie_word_embeddings=False,
-    )
-    model = Transformer(cfg).eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
-    return model
-
-
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    return _tiny(0)
+    return tiny_target(0, vocab=V)
 
 
 def _run(events) -> list[RequestOutput]:
@@ -82,13 +44,13 @@ def _params(lengths=MAX_TOKENS) -> list[SamplingParams]:
 
 def _spec(target, proposer, k, prompts=PROMPTS, params=None) -> list[RequestOutput]:
     params = params or _params()
-    events = generate_speculative(target, proposer, _NullTokenizer(), prompts, params, num_draft=k)
+    events = generate_speculative(target, proposer, NullTokenizer(), prompts, params, num_draft=k)
     return _run(events)
 
 
 def _assert_lossless(target, proposer, k, prompts=PROMPTS, params=None) -> list[RequestOutput]:
     params = params or _params()
-    plain = _run(generate_stream(target, _NullTokenizer(), prompts, params))
+    plain = _run(generate_stream(target, NullTokenizer(), prompts, params))
     spec = _spec(target, proposer, k, prompts, params)
     for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids
@@ -116,7 +78,7 @@ def test_draft_equal_to_target_accepts_everything(target: Transformer, k: int, d
 @pytest.mark.parametrize("k", [1, 4])
 def test_different_draft_is_lossless(target: Transformer, k: int) -> None:
     # A smaller, differently shaped draft (2 layers, C 32, MQA) sharing only the vocabulary.
-    draft = _tiny(7, layers=2, hidden=32, kv_heads=1)
+    draft = tiny_target(7, vocab=V, layers=2, hidden=32, kv_heads=1)
     spec = _assert_lossless(target, DraftModelProposer(draft, target_vocab_size=V), k)
     if k > 1:
         assert any(o.stats.accepted_tokens < o.stats.draft_tokens for o in spec)
@@ -150,7 +112,7 @@ def test_draft_model_prefill_and_catch_up_match_a_fresh_prefill(target: Transfor
 
 
 def test_vocab_mismatch_is_a_load_error(target: Transformer) -> None:
-    draft = _tiny(3, layers=1, vocab=V + 32)
+    draft = tiny_target(3, vocab=V + 32, layers=1)
     with pytest.raises(ModelLoadError, match=r"128 tokens.*96 tokens"):
         DraftModelProposer(draft, target_vocab_size=target.cfg.vocab_size)
 
@@ -180,11 +142,11 @@ def test_lookup_accepts_a_repeating_pattern(k: int) -> None:
     # Attention zeroed: each next token depends on the current token only, so greedy decoding
     # follows a map on 96 tokens and falls into a cycle. Once the history holds one lap, the
     # latest earlier occurrence of any suffix is followed by the right tokens: all accepted.
-    bigram = _tiny(5, layers=2)
+    bigram = tiny_target(5, vocab=V, layers=2)
     with torch.no_grad():
         for block in bigram.layers:
             block.attn.wo.weight.zero_()
-    plain = _run(generate_stream(bigram, _NullTokenizer(), PROMPTS, _params([60, 60, 60])))
+    plain = _run(generate_stream(bigram, NullTokenizer(), PROMPTS, _params([60, 60, 60])))
     prompts = [
         p + o.token_ids[: _first_lap(o.token_ids)] for p, o in zip(PROMPTS, plain, strict=True)
     ]
@@ -269,7 +231,9 @@ def test_lookup_proposer_tracks_rows_through_rounds() -> None:
 
 PROPOSERS = {
     "self-draft": lambda t: DraftModelProposer(t, target_vocab_size=V),
-    "small-draft": lambda t: DraftModelProposer(_tiny(7, layers=2, hidden=32), target_vocab_size=V),
+    "small-draft": lambda t: DraftModelProposer(
+        tiny_target(7, vocab=V, layers=2, hidden=32), target_vocab_size=V
+    ),
     "lookup": lambda t: PromptLookupProposer(),
 }
 
@@ -294,5 +258,5 @@ def test_sampled_rows_repeat_and_greedy_rows_stay_exact(target: Transformer, nam
     a = _spec(target, PROPOSERS[name](target), 3, PROMPTS[:2], params)
     b = _spec(target, PROPOSERS[name](target), 3, PROMPTS[:2], params)
     assert a[0].token_ids == b[0].token_ids
-    plain = _run(generate_stream(target, _NullTokenizer(), PROMPTS[1:2], params[1:]))
+    plain = _run(generate_stream(target, NullTokenizer(), PROMPTS[1:2], params[1:]))
     assert a[1].token_ids == plain[0].token_ids

@@ -7,31 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglespec.config import ModelConfig, SamplingParams
+from eaglespec.config import SamplingParams
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import DraftState, Eagle3Proposer
 from eaglespec.engine import speculate_round, start_batch
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import new_states
+from helpers import NullTokenizer, tiny_target
 
 CAPTURE = (1, 3, 4)
 # Same math in other chunkings (a round's T tokens vs one prefill): fp32 rounding differs slightly.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
-
-
-class _Tok:
-    eos_ids: tuple[int, ...] = ()
-
-    def stream_decoder(self, prompt_ids=()):
-        class _D:
-            def push(self, tid: int) -> str:
-                return ""
-
-            def flush(self) -> str:
-                return ""
-
-        return _D()
 
 
 class _HalfRightProposer(Eagle3Proposer):
@@ -53,26 +40,7 @@ class _HalfRightProposer(Eagle3Proposer):
 
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=6,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position=128,
-        tie_word_embeddings=False,
-    )
-    model = Transformer(cfg).eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
-    return model
+    return tiny_target(0, vocab=64, hidden=32, max_position=128)
 
 
 def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
@@ -80,13 +48,13 @@ def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
     greedy = [
         e.output.token_ids
-        for e in generate_stream(target, _Tok(), prompts, params)
+        for e in generate_stream(target, NullTokenizer(), prompts, params)
         if e.output is not None
     ]
     head = random_eagle3(target, seed=1)
     right = [3, 1]  # row 0 accepts 3 of 4 drafts, row 1 accepts 1
     proposer = _HalfRightProposer(head, [g[1:] for g in greedy], right)
-    seqs = new_states(prompts, params, _Tok(), 128, target.device)
+    seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
     batch = start_batch(target, proposer, prompts, params, seqs, capacity=32)
     out = speculate_round(target, proposer, batch, 32, num_draft=4, tree=None)
     assert out.accepted == right

@@ -7,48 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
+from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.model.llama import Transformer
+from helpers import NullTokenizer, tiny_target
 
 V = 12
 CHI2_999_DOF11 = 31.26
 
 
-class _Tok:
-    eos_ids: tuple[int, ...] = ()
-
-    def stream_decoder(self, prompt_ids=()):
-        class _D:
-            def push(self, tid: int) -> str:
-                return ""
-
-            def flush(self) -> str:
-                return ""
-
-        return _D()
-
-
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    torch.manual_seed(1)
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position=64,
-        tie_word_embeddings=False,
-    )
-    model = Transformer(cfg).eval().requires_grad_(False)
+    model = tiny_target(1, vocab=V, layers=4, hidden=32, max_position=64, wide_init=False)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # a peaked but not one-hot distribution
     return model
@@ -71,7 +43,7 @@ def test_second_token_follows_the_target(target: Transformer, tree) -> None:
     proposer = Eagle3Proposer(random_eagle3(target, seed=5), (1, 2, 3))
     params = [SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)] * n
     events = generate_speculative(
-        target, proposer, _Tok(), [prompt] * n, params, num_draft=2, tree=tree
+        target, proposer, NullTokenizer(), [prompt] * n, params, num_draft=2, tree=tree
     )
     outs = [e.output for e in events if e.output is not None]
     second = torch.tensor([o.token_ids[1] for o in outs])

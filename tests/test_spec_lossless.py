@@ -11,56 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
+from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import RequestOutput
+from helpers import NullTokenizer, tiny_target
 from oracle import OracleProposer
 
 V = 96
 
 
-class _NullTokenizer:
-    """Enough of a tokenizer for the engine: no EOS, text is the ids."""
-
-    eos_ids: tuple[int, ...] = ()
-
-    def stream_decoder(self, prompt_ids=()):
-        class _D:
-            def push(self, tid: int) -> str:
-                return f"<{tid}>"
-
-            def flush(self) -> str:
-                return ""
-
-        return _D()
-
-
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=6,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position=256,
-        tie_word_embeddings=False,
-    )
-    model = Transformer(cfg).eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
-    return model
+    return tiny_target(0, vocab=V)
 
 
 def _run(events) -> list[RequestOutput]:
@@ -72,7 +38,7 @@ PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78], [
 
 
 def _plain(target, prompts, params):
-    return _run(generate_stream(target, _NullTokenizer(), prompts, params))
+    return _run(generate_stream(target, NullTokenizer(), prompts, params))
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
@@ -88,7 +54,7 @@ def test_greedy_equals_plain(target: Transformer, k: int, draft: str) -> None:
         seqs = [p + o.token_ids + [0] * 8 for p, o in zip(PROMPTS, plain, strict=True)]
         proposer = OracleProposer(seqs, V, wrong_every=3 if draft == "oracle-noisy" else 0)
     spec = _run(
-        generate_speculative(target, proposer, _NullTokenizer(), PROMPTS, params, num_draft=k)
+        generate_speculative(target, proposer, NullTokenizer(), PROMPTS, params, num_draft=k)
     )
     for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids
@@ -110,7 +76,7 @@ def test_stop_token_inside_an_accepted_run(target: Transformer) -> None:
     seqs = [PROMPTS[0] + plain[0].token_ids + [0] * 8]
     got = _run(
         generate_speculative(
-            target, OracleProposer(seqs, V), _NullTokenizer(), PROMPTS[:1], stopped, num_draft=5
+            target, OracleProposer(seqs, V), NullTokenizer(), PROMPTS[:1], stopped, num_draft=5
         )
     )[0]
     assert got.token_ids == want.token_ids and got.finish_reason == "stop"
@@ -126,7 +92,7 @@ def test_seeded_sampling_repeats_and_mixed_batch(target: Transformer) -> None:
 
     def run() -> list[RequestOutput]:
         events = generate_speculative(
-            target, proposer, _NullTokenizer(), PROMPTS[:2], params, num_draft=3
+            target, proposer, NullTokenizer(), PROMPTS[:2], params, num_draft=3
         )
         return _run(events)
 
@@ -151,7 +117,7 @@ def test_tree_drafting_greedy_equals_plain(target: Transformer, shape: str) -> N
     plain = _plain(target, PROMPTS, params)
     proposer = Eagle3Proposer(random_eagle3(target, seed=3), (1, 3, 4))
     events = generate_speculative(
-        target, proposer, _NullTokenizer(), PROMPTS, params, num_draft=1, tree=TREES[shape]
+        target, proposer, NullTokenizer(), PROMPTS, params, num_draft=1, tree=TREES[shape]
     )
     for a, b in zip(plain, _run(events), strict=True):
         assert b.token_ids == a.token_ids
@@ -182,7 +148,7 @@ def test_tree_with_accepted_paths_that_skip_nodes(target: Transformer) -> None:
     seqs = [p + o.token_ids + [0] * 8 for p, o in zip(PROMPTS, plain, strict=True)]
     shape = TreeConfig(depth=3, top_k=2, num_nodes=6)
     events = generate_speculative(
-        target, OracleProposer(seqs, V), _NullTokenizer(), PROMPTS, params, num_draft=1, tree=shape
+        target, OracleProposer(seqs, V), NullTokenizer(), PROMPTS, params, num_draft=1, tree=shape
     )
     spec = _run(events)
     for a, b in zip(plain, spec, strict=True):

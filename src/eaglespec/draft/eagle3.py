@@ -40,8 +40,7 @@ from eaglespec.draft.config import DraftConfig
 from eaglespec.model.layers import (
     GatedMLP,
     RMSNorm,
-    apply_rope,
-    attend,
+    cached_attention,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -77,17 +76,7 @@ class DraftAttention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
-        qk = apply_rope(qkv[:, :, : H + Hkv], *rope)  # (B, T, H + Hkv, D)
-        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
-        k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
-        v = qkv[:, :, H + Hkv :].transpose(1, 2)  # (B, Hkv, T, D)
-        cache.write(layer, k, v)
-        if mask is None and T > 1:
-            out = attend(q, k, v, None, causal=True)  # no prefix: plain causal attention
-        else:
-            k_all, v_all = cache.view(layer, max(cache.lengths) + T)  # (B, Hkv, K, D)
-            out = attend(q, k_all, v_all, mask, causal=False)
-        y: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+        y: torch.Tensor = self.wo(cached_attention(qkv, rope, cache, layer, mask, H))
         return y
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglespec.cache import KVCache
 from eaglespec.config import RopeScaling
 
 
@@ -105,3 +106,30 @@ def attend(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def cached_attention(
+    qkv: torch.Tensor,  # (B, T, H + 2 Hkv, D): q, k, v heads (q, k normed if the model does)
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
+    cache: KVCache,
+    layer: int,
+    mask: torch.Tensor | None,  # (B, 1, T, K) or None
+    num_heads: int,  # H
+) -> torch.Tensor:
+    """Rotate q and k (one pass over both), write k and v to the cache, attend. -> (B, T, H * D).
+
+    The target's layers and the EAGLE-3 head's share this, so both follow one cache protocol."""
+    B, T, heads, D = qkv.shape
+    H = num_heads
+    Hkv = (heads - H) // 2
+    qk = apply_rope(qkv[:, :, : H + Hkv], *rope)  # (B, T, H + Hkv, D)
+    q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
+    k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
+    v = qkv[:, :, H + Hkv :].transpose(1, 2)  # (B, Hkv, T, D)
+    cache.write(layer, k, v)
+    if mask is None and T > 1:
+        out = attend(q, k, v, None, causal=True)  # no prefix: plain causal attention
+    else:
+        k_all, v_all = cache.view(layer, max(cache.lengths) + T)  # (B, Hkv, K, D)
+        out = attend(q, k_all, v_all, mask, causal=False)
+    return out.transpose(1, 2).reshape(B, T, H * D)

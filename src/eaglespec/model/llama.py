@@ -24,8 +24,7 @@ from eaglespec.config import ModelConfig
 from eaglespec.model.layers import (
     GatedMLP,
     RMSNorm,
-    apply_rope,
-    attend,
+    cached_attention,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -60,20 +59,10 @@ class Attention(nn.Module):
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])), 2)
-        else:
-            qk = qkv[:, :, : H + Hkv]
-        qk = apply_rope(qk, *rope)  # (B, T, H + Hkv, D): q and k heads rotated in one pass
-        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
-        k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
-        v = qkv[:, :, H + Hkv :].transpose(1, 2)  # (B, Hkv, T, D)
-        cache.write(layer, k, v)
-        if mask is None and T > 1:
-            out = attend(q, k, v, None, causal=True)  # no prefix: plain causal attention
-        else:
-            k_all, v_all = cache.view(layer, max(cache.lengths) + T)  # (B, Hkv, K, D)
-            out = attend(q, k_all, v_all, mask, causal=False)
-        y: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), 2)
+        out = cached_attention(qkv, rope, cache, layer, mask, H)  # (B, T, H * D)
+        y: torch.Tensor = self.wo(out)
         return y
 
 

@@ -1,0 +1,60 @@
+"""Small shared test helpers: a tokenizer stand-in and tiny seeded random targets."""
+
+from __future__ import annotations
+
+import torch
+
+from eaglespec.config import ModelConfig
+from eaglespec.model.llama import Transformer
+
+
+class NullTokenizer:
+    """Enough of a tokenizer for the decoding loops: no EOS, the text of id i is "<i>"."""
+
+    eos_ids: tuple[int, ...] = ()
+
+    def stream_decoder(self, prompt_ids=()):
+        class _Decoder:
+            def push(self, tid: int) -> str:
+                return f"<{tid}>"
+
+            def flush(self) -> str:
+                return ""
+
+        return _Decoder()
+
+
+def tiny_target(
+    seed: int,
+    *,
+    vocab: int,
+    layers: int = 6,
+    hidden: int = 64,
+    kv_heads: int = 2,
+    max_position: int = 256,
+    tied: bool = False,
+    wide_init: bool = True,
+) -> Transformer:
+    """A Llama-family target with 4 query heads. `wide_init` draws weights from N(0, 0.3) and
+    norms from U(0.8, 1.2), so greedy continuations vary (the default init is nearly uniform)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // 4,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position=max_position,
+        tie_word_embeddings=tied,
+    )
+    model = Transformer(cfg).eval().requires_grad_(False)
+    if wide_init:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    return model
