@@ -52,6 +52,7 @@ def main() -> None:
     plain = [base.generate([p], params)[0] for p in prompts]
     rows = [("plain", plain)]
     for method in (m for m in args.methods if m != "plain"):
+        llm = None  # free the previous method's models before loading the next (memory)
         llm = LLM(
             args.model,
             dtype=args.dtype,

@@ -118,13 +118,11 @@ def build_model(
                 )
             parts.append(ckpt.load(name, dtype))
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        state[ours] = tensor.to(device)
+        state[ours] = column_major(ours, tensor.to(device), device)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the shared Parameter
     model.inv_freq = inv_freq.to(device)
-    if device.type == "cpu":
-        store_column_major(model)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"parameters with no checkpoint source: {left}"
     return model.eval().requires_grad_(False)
@@ -139,14 +137,16 @@ def _split_rows(ours: str, rows: int, cfg: ModelConfig) -> list[int]:
     return [rows]
 
 
-def store_column_major(model: Transformer) -> None:
-    """Keep each decoder layer's weight (out, in) as the transpose of a contiguous (in, out) tensor.
+_DECODER_LINEARS = (".attn.wqkv.weight", ".attn.wo.weight", ".mlp.w13.weight", ".mlp.w2.weight")
 
-    Values and shapes do not change; F.linear then hands the kernel a row-major (in, out) matrix,
-    which on CPU is 1.5-4x faster for the 2-16 rows of a verify forward than nn.Linear's usual
-    layout (benchmarks/small_m_matmul.py; one row costs the same). The embedding and a tied lm_head
-    keep the row-major layout that the embedding lookup needs."""
-    for block in model.layers:
-        for linear in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2):
-            w = linear.weight
-            linear.weight = torch.nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+
+def column_major(name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """On CPU, a decoder layer's weight (out, in) is kept as the transpose of a contiguous
+    (in, out) tensor: same values and shape, but F.linear then hands the kernel a row-major
+    (in, out) matrix, which on CPU is 1.5-4x faster for the 4-16 rows of a verify forward than
+    nn.Linear's usual layout (benchmarks/small_m_matmul.py; one row costs the same). The embedding
+    and a tied lm_head keep the row-major layout the embedding lookup needs. Done per tensor at
+    load: no second copy of the model is ever alive."""
+    if device.type != "cpu" or not name.endswith(_DECODER_LINEARS):
+        return tensor
+    return tensor.t().contiguous().t()
