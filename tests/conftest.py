@@ -8,6 +8,7 @@ template), so every load path, the CLI and the API run on it in milliseconds.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,17 @@ def tiny_hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def real_gguf() -> Path:
+    """`EAGLESPEC_TEST_GGUF` if set (skip when absent), else the registry's SmolLM2-135M-Instruct,
+    pulled into the cache on first use so these tests run wherever the registry is reachable."""
+    from eaglespec.registry import pull
+
+    override = os.environ.get("EAGLESPEC_TEST_GGUF")
+    if override is None:
+        return pull("smollm2-135m", progress=False)
+    if not Path(override).is_file():
+        pytest.skip(f"EAGLESPEC_TEST_GGUF={override} not present")
+    return Path(override)

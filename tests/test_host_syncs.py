@@ -11,6 +11,7 @@ from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.model.llama import Transformer
+from eaglespec.requests import collect_outputs
 from helpers import NullTokenizer, tiny_target
 
 SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
@@ -43,7 +44,7 @@ def test_one_sync_per_round(target, monkeypatch, sampled: bool, tree: TreeConfig
     events = generate_speculative(
         target, proposer, NullTokenizer(), [[1, 2, 3, 4], [5, 6]], params, num_draft=3, tree=tree
     )
-    outs = [e.output for e in events if e.output is not None]
+    outs = collect_outputs(events)
     monkeypatch.undo()
     rounds = max(o.stats.rounds for o in outs)
     assert count["n"] == rounds + 1, f"{count['n']} host syncs for {rounds} rounds"

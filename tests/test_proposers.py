@@ -20,7 +20,7 @@ from eaglespec.engine import generate_speculative
 from eaglespec.errors import ModelLoadError
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
-from eaglespec.requests import RequestOutput
+from eaglespec.requests import RequestOutput, collect_outputs
 from helpers import NullTokenizer, tiny_target
 
 V = 96
@@ -33,11 +33,6 @@ def target() -> Transformer:
     return tiny_target(0, vocab=V)
 
 
-def _run(events) -> list[RequestOutput]:
-    outs = {e.index: e.output for e in events if e.output is not None}
-    return [outs[i] for i in sorted(outs)]
-
-
 def _params(lengths=MAX_TOKENS) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
 
@@ -45,12 +40,12 @@ def _params(lengths=MAX_TOKENS) -> list[SamplingParams]:
 def _spec(target, proposer, k, prompts=PROMPTS, params=None) -> list[RequestOutput]:
     params = params or _params()
     events = generate_speculative(target, proposer, NullTokenizer(), prompts, params, num_draft=k)
-    return _run(events)
+    return collect_outputs(events)
 
 
 def _assert_lossless(target, proposer, k, prompts=PROMPTS, params=None) -> list[RequestOutput]:
     params = params or _params()
-    plain = _run(generate_stream(target, NullTokenizer(), prompts, params))
+    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
     spec = _spec(target, proposer, k, prompts, params)
     for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids
@@ -146,7 +141,9 @@ def test_lookup_accepts_a_repeating_pattern(k: int) -> None:
     with torch.no_grad():
         for block in bigram.layers:
             block.attn.wo.weight.zero_()
-    plain = _run(generate_stream(bigram, NullTokenizer(), PROMPTS, _params([60, 60, 60])))
+    plain = collect_outputs(
+        generate_stream(bigram, NullTokenizer(), PROMPTS, _params([60, 60, 60]))
+    )
     prompts = [
         p + o.token_ids[: _first_lap(o.token_ids)] for p, o in zip(PROMPTS, plain, strict=True)
     ]
@@ -258,5 +255,5 @@ def test_sampled_rows_repeat_and_greedy_rows_stay_exact(target: Transformer, nam
     a = _spec(target, PROPOSERS[name](target), 3, PROMPTS[:2], params)
     b = _spec(target, PROPOSERS[name](target), 3, PROMPTS[:2], params)
     assert a[0].token_ids == b[0].token_ids
-    plain = _run(generate_stream(target, NullTokenizer(), PROMPTS[1:2], params[1:]))
+    plain = collect_outputs(generate_stream(target, NullTokenizer(), PROMPTS[1:2], params[1:]))
     assert a[1].token_ids == plain[0].token_ids

@@ -12,6 +12,7 @@ from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.registry import pull
+from eaglespec.requests import collect_outputs
 from oracle import OracleProposer
 
 pytestmark = pytest.mark.real
@@ -27,16 +28,11 @@ def llm() -> LLM:
     return LLM(str(pull("smollm2-135m", progress=False)), progress=False)
 
 
-def _outputs(events):
-    outs = {e.index: e.output for e in events if e.output is not None}
-    return [outs[i] for i in sorted(outs)]
-
-
 @pytest.mark.parametrize("proposer_kind", ["random-head", "oracle"])
 def test_greedy_speculative_equals_plain(llm: LLM, proposer_kind: str) -> None:
     prompts = [llm.encode(p) for p in PROMPTS]
     params = [SamplingParams(max_tokens=40)] * len(prompts)
-    plain = _outputs(generate_stream(llm.model, llm.tokenizer, prompts, params))
+    plain = collect_outputs(generate_stream(llm.model, llm.tokenizer, prompts, params))
     if proposer_kind == "random-head":
         head = random_eagle3(llm.model, seed=0)
         L = llm.config.num_layers
@@ -44,7 +40,7 @@ def test_greedy_speculative_equals_plain(llm: LLM, proposer_kind: str) -> None:
     else:
         seqs = [p + o.token_ids + [0] * 8 for p, o in zip(prompts, plain, strict=True)]
         proposer = OracleProposer(seqs, llm.config.vocab_size)
-    spec = _outputs(
+    spec = collect_outputs(
         generate_speculative(llm.model, proposer, llm.tokenizer, prompts, params, num_draft=4)
     )
     for a, b in zip(plain, spec, strict=True):

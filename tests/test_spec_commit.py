@@ -13,7 +13,7 @@ from eaglespec.draft.proposer import DraftState, Eagle3Proposer
 from eaglespec.engine import speculate_round, start_batch
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
-from eaglespec.requests import new_states
+from eaglespec.requests import collect_outputs, new_states
 from helpers import NullTokenizer, tiny_target
 
 CAPTURE = (1, 3, 4)
@@ -46,11 +46,8 @@ def target() -> Transformer:
 def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
     prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
-    greedy = [
-        e.output.token_ids
-        for e in generate_stream(target, NullTokenizer(), prompts, params)
-        if e.output is not None
-    ]
+    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
+    greedy = [o.token_ids for o in plain]
     head = random_eagle3(target, seed=1)
     right = [3, 1]  # row 0 accepts 3 of 4 drafts, row 1 accepts 1
     proposer = _HalfRightProposer(head, [g[1:] for g in greedy], right)

@@ -12,6 +12,7 @@ from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.model.llama import Transformer
+from eaglespec.requests import collect_outputs
 from helpers import NullTokenizer, tiny_target
 
 V = 12
@@ -45,7 +46,7 @@ def test_second_token_follows_the_target(target: Transformer, tree) -> None:
     events = generate_speculative(
         target, proposer, NullTokenizer(), [prompt] * n, params, num_draft=2, tree=tree
     )
-    outs = [e.output for e in events if e.output is not None]
+    outs = collect_outputs(events)
     second = torch.tensor([o.token_ids[1] for o in outs])
     counts = torch.bincount(second, minlength=V).double()
     expected = n * _exact_second_token(target, prompt, temperature)

@@ -17,7 +17,7 @@ from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
-from eaglespec.requests import RequestOutput
+from eaglespec.requests import RequestOutput, collect_outputs
 from helpers import NullTokenizer, tiny_target
 from oracle import OracleProposer
 
@@ -29,16 +29,11 @@ def target() -> Transformer:
     return tiny_target(0, vocab=V)
 
 
-def _run(events) -> list[RequestOutput]:
-    outs = {e.index: e.output for e in events if e.output is not None}
-    return [outs[i] for i in sorted(outs)]
-
-
 PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78], [3]]
 
 
 def _plain(target, prompts, params):
-    return _run(generate_stream(target, NullTokenizer(), prompts, params))
+    return collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
@@ -53,7 +48,7 @@ def test_greedy_equals_plain(target: Transformer, k: int, draft: str) -> None:
     else:
         seqs = [p + o.token_ids + [0] * 8 for p, o in zip(PROMPTS, plain, strict=True)]
         proposer = OracleProposer(seqs, V, wrong_every=3 if draft == "oracle-noisy" else 0)
-    spec = _run(
+    spec = collect_outputs(
         generate_speculative(target, proposer, NullTokenizer(), PROMPTS, params, num_draft=k)
     )
     for a, b in zip(plain, spec, strict=True):
@@ -74,7 +69,7 @@ def test_stop_token_inside_an_accepted_run(target: Transformer) -> None:
     stopped = [SamplingParams(max_tokens=30, stop_token_ids=(stop,))]
     want = _plain(target, PROMPTS[:1], stopped)[0]
     seqs = [PROMPTS[0] + plain[0].token_ids + [0] * 8]
-    got = _run(
+    got = collect_outputs(
         generate_speculative(
             target, OracleProposer(seqs, V), NullTokenizer(), PROMPTS[:1], stopped, num_draft=5
         )
@@ -94,7 +89,7 @@ def test_seeded_sampling_repeats_and_mixed_batch(target: Transformer) -> None:
         events = generate_speculative(
             target, proposer, NullTokenizer(), PROMPTS[:2], params, num_draft=3
         )
-        return _run(events)
+        return collect_outputs(events)
 
     a, b = run(), run()
     assert a[0].token_ids == b[0].token_ids
@@ -119,7 +114,7 @@ def test_tree_drafting_greedy_equals_plain(target: Transformer, shape: str) -> N
     events = generate_speculative(
         target, proposer, NullTokenizer(), PROMPTS, params, num_draft=1, tree=TREES[shape]
     )
-    for a, b in zip(plain, _run(events), strict=True):
+    for a, b in zip(plain, collect_outputs(events), strict=True):
         assert b.token_ids == a.token_ids
 
 
@@ -150,7 +145,7 @@ def test_tree_with_accepted_paths_that_skip_nodes(target: Transformer) -> None:
     events = generate_speculative(
         target, OracleProposer(seqs, V), NullTokenizer(), PROMPTS, params, num_draft=1, tree=shape
     )
-    spec = _run(events)
+    spec = collect_outputs(events)
     for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids
     assert spec[2].stats.mean_accept_length > 3.0  # 20 tokens: full ladders of 3 + bonus

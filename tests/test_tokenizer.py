@@ -7,7 +7,6 @@ llama2.c test reads /work/shared and skips when the file is absent.
 """
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eaglespec.errors import ModelLoadError
-from eaglespec.registry import pull
 from eaglespec.tokenizer import ChatTemplateError, StreamDecoder, Tokenizer, render_chat_template
 
 LLAMA2C_TOKENIZER = Path("/work/shared/models/stories260K/tok512.bin")
@@ -67,18 +65,6 @@ class Real:
     ours: Tokenizer
     ref: Any  # transformers' tokenizer for the same file
     pre: str  # tokenizer.ggml.pre
-
-
-@pytest.fixture(scope="module")
-def real_gguf() -> Path:
-    """`EAGLESPEC_TEST_GGUF` if set (skip when absent), else the registry's SmolLM2-135M-Instruct,
-    pulled into the cache on first use so these tests run wherever the registry is reachable."""
-    override = os.environ.get("EAGLESPEC_TEST_GGUF")
-    if override is None:
-        return pull("smollm2-135m", progress=False)
-    if not Path(override).is_file():
-        pytest.skip(f"EAGLESPEC_TEST_GGUF={override} not present")
-    return Path(override)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from eaglespec.methods import make_proposer
 from eaglespec.model.llama import Transformer
 from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.registry import DEFAULT_MODEL, resolve_model
-from eaglespec.requests import RequestOutput, StreamEvent
+from eaglespec.requests import RequestOutput, StreamEvent, collect_outputs
 from eaglespec.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -109,11 +109,7 @@ class LLM:
         chat: bool = True,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in order."""
-        outputs: dict[int, RequestOutput] = {}
-        for event in self.stream(prompts, params, chat=chat):
-            if event.output is not None:
-                outputs[event.index] = event.output
-        return [outputs[i] for i in sorted(outputs)]
+        return collect_outputs(self.stream(prompts, params, chat=chat))
 
     def chat(
         self, messages: Sequence[Message], params: SamplingParams | None = None

@@ -4,7 +4,7 @@ stop rules and timing. No tensor math.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -99,6 +99,12 @@ def check_prompt(prompt: Sequence[int], limit: int) -> None:
             f"prompt has {len(prompt)} tokens; the model's context is {limit}, "
             "so no room is left to generate"
         )
+
+
+def collect_outputs(events: Iterable[StreamEvent]) -> list[RequestOutput]:
+    """Run an event stream to the end; each request's final output, in request order."""
+    outputs = {e.index: e.output for e in events if e.output is not None}
+    return [outputs[i] for i in sorted(outputs)]
 
 
 def new_states(

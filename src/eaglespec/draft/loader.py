@@ -39,9 +39,10 @@ from eaglespec.draft.config import (
 )
 from eaglespec.draft.eagle3 import Eagle3Head, weight_shape
 from eaglespec.errors import InvalidRequestError, ModelLoadError
+from eaglespec.model.checkpoint import read_json_object
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
-from eaglespec.model.loader import parse_dtype
+from eaglespec.model.loader import parse_dtype, split_rows
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _LAYER_NAME = re.compile(r"^(?:midlayer|midlayers\.(\d+)|layers\.(\d+))\.(.+)$")
@@ -132,13 +133,7 @@ def load_eagle3(
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelLoadError(f"{path.parent}: no config.json (not an EAGLE-3 draft folder)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return cfg
+    return read_json_object(path)
 
 
 def _weights_file(folder: Path) -> Path:
@@ -212,15 +207,6 @@ def _sources(cfg: DraftConfig, num_aux: int, own_embed: bool, own_lm: bool) -> d
     if own_lm:
         src["lm_head.weight"] = ["lm_head.weight"]
     return src
-
-
-def _split_rows(ours: str, rows: int, cfg: DraftConfig) -> list[int]:
-    """Rows each source contributes to a fused parameter."""
-    if ".wqkv." in ours:
-        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-    if ".w13." in ours:
-        return [cfg.intermediate_size, cfg.intermediate_size]
-    return [rows]
 
 
 def _build(
@@ -302,7 +288,7 @@ def _read_params(
     for ours, names in sources.items():
         want = tuple(expected[ours].shape)
         parts = []
-        for name, rows in zip(names, _split_rows(ours, want[0], cfg), strict=True):
+        for name, rows in zip(names, split_rows(ours, want[0], cfg), strict=True):
             if name not in found:
                 raise ModelLoadError(f"{file}: missing tensor '{_display(name, cfg.format)}'")
             in_file, t = found[name]
@@ -438,7 +424,7 @@ def _native_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
     for ours, names in _sources(cfg, head.num_aux, not head.shares_embed, own_lm).items():
         t = params[ours].detach()
         for name, part in zip(
-            names, torch.split(t, _split_rows(ours, t.shape[0], cfg)), strict=True
+            names, torch.split(t, split_rows(ours, t.shape[0], cfg)), strict=True
         ):
             out[_display(name, NATIVE)] = part.contiguous().cpu().clone()
     if own_lm:

@@ -165,6 +165,17 @@ def gguf_config(f: GGUFFile) -> dict[str, Any]:
     return cfg
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A config file that must hold one JSON object; anything else is a one-line ModelLoadError."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
 @dataclass
 class HFCheckpoint:
     path: Path
@@ -177,10 +188,7 @@ class HFCheckpoint:
         config_path = path / "config.json"
         if not config_path.is_file():
             raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model folder)")
-        try:
-            config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{config_path}: invalid JSON ({e})") from None
+        config = read_json_object(config_path)
         shards = sorted(path.glob("*.safetensors"))
         if not shards:
             raise ModelLoadError(f"{path}: no *.safetensors weights found")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -108,7 +109,7 @@ def build_model(
     for ours, sources in parameter_sources(cfg).items():
         want = tuple(expected[ours].shape)
         parts = []
-        for name, rows in zip(sources, _split_rows(ours, want[0], cfg), strict=True):
+        for name, rows in zip(sources, split_rows(ours, want[0], cfg), strict=True):
             if name not in available:
                 raise ModelLoadError(f"{ckpt.path}: missing tensor '{name}'")
             if tuple(ckpt.shape(name)) != (rows, *want[1:]):
@@ -128,8 +129,20 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def _split_rows(ours: str, rows: int, cfg: ModelConfig) -> list[int]:
-    """Rows each source contributes to a fused parameter (dim 0 of weight or bias)."""
+class FusedSizes(Protocol):
+    """What splitting a fused parameter needs; ModelConfig and DraftConfig both provide it."""
+
+    @property
+    def q_size(self) -> int: ...
+    @property
+    def kv_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+
+
+def split_rows(ours: str, rows: int, cfg: FusedSizes) -> list[int]:
+    """Rows each source contributes to a fused parameter (dim 0 of weight or bias): q/k/v for
+    `wqkv`, gate/up for `w13`, one source otherwise."""
     if ".wqkv." in ours:
         return [cfg.q_size, cfg.kv_size, cfg.kv_size]
     if ".w13." in ours:
