@@ -102,10 +102,21 @@ class MidLayer(nn.Module):
         cache: KVCache,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        x, residual = self.attn_input(emb, g)
+        return self.after_attn(residual, self.attn(x, rope, cache, 0, mask))
+
+    # The two halves around attention, shared with training (train/ttt.py), whose attention
+    # differs (the training-time-test mask over unrolled steps) but whose layer must not.
+    def attn_input(
+        self, emb: torch.Tensor, g: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, C) embedding and hidden -> attention input (B, T, 2C), residual (B, T, C)."""
         h = self.hidden_norm(g)
         residual = h if self.norm_before_residual else g
-        x = torch.cat((self.input_layernorm(emb), h), dim=-1)  # (B, T, 2C): embedding first
-        x = residual + self.attn(x, rope, cache, 0, mask)
+        return torch.cat((self.input_layernorm(emb), h), dim=-1), residual  # embedding first
+
+    def after_attn(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        x = residual + attn_out  # (B, T, C)
         y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return y
 

@@ -1,0 +1,242 @@
+"""Training loop for an EAGLE-3 head on captured features: batches, AdamW with warmup and decay,
+gradient clipping, bf16 autocast, checkpoints with resume, DistributedDataParallel under torchrun.
+
+Batches are global: samples sorted by length are cut into batches of at most `batch_tokens` padded
+positions, shuffled per epoch by a seeded generator, and each batch's rows are split across ranks
+(rank r takes rows r, r + W, ...). Each step's loss is normalised by the GLOBAL count of valid
+positions per unrolled step (an all-reduce), and multiplied by the world size because DDP averages
+gradients: so W processes take exactly the gradient one process takes on the whole batch.
+
+Loss: sum_j decay^j * CE_j, with CE_j the soft cross-entropy of step j averaged over its valid
+positions (train/ttt.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from eaglespec.draft.eagle3 import Eagle3Head
+from eaglespec.train.features import FeatureShard
+from eaglespec.train.ttt import TTTBatch, ttt_forward
+from eaglespec.train.vocab import DraftVocab
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    epochs: int = 10
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the decay ends at lr * min_lr_ratio
+    warmup_steps: int = 50
+    schedule: str = "cosine"  # or "linear"
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    ttt_steps: int = 7  # unrolled draft steps
+    decay: float = 0.8  # step j's loss weight decay^j
+    batch_tokens: int = 8192  # padded positions per global batch
+    dtype: str = "bfloat16"  # autocast dtype for the head's matmuls; "float32" = none
+    seed: int = 0
+    checkpoint_every: int = 200  # steps; an epoch end always checkpoints
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("cosine", "linear"):
+            raise ValueError(f"schedule must be cosine or linear, not {self.schedule!r}")
+        if self.ttt_steps < 1 or self.epochs < 1 or self.batch_tokens < 1:
+            raise ValueError("ttt_steps, epochs and batch_tokens must be positive")
+
+
+@dataclass(slots=True)
+class StepStats:
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    acc: list[float]  # per unrolled step: draft top-1 == target top-1 among valid positions
+    accept_proxy: float  # 1 + mean all-correct chain length per anchor (greedy tokens per round)
+
+
+class TTTModule(nn.Module):
+    """The head under the training-time-test forward, as one module for DDP to wrap."""
+
+    def __init__(self, head: Eagle3Head, steps: int) -> None:
+        super().__init__()
+        self.head = head
+        self.steps = steps
+
+    def forward(self, batch: TTTBatch) -> Any:
+        return ttt_forward(self.head, batch, self.steps)
+
+
+def target_head_rows(lm_head_weight: torch.Tensor, vocab: DraftVocab) -> torch.Tensor:
+    """(Vd, Ct) fp32: the target's lm_head rows of the draft vocabulary."""
+    return lm_head_weight.detach()[vocab.ids].float()
+
+
+def collate(
+    samples: Sequence[FeatureShard],
+    target_rows: torch.Tensor,  # (Vd, Ct) fp32
+    t2d: torch.Tensor,  # (V,) bool
+    aux_dtype: torch.dtype,
+    device: torch.device,
+) -> TTTBatch:
+    """Right-padded batch; the target's log-probs over the draft vocabulary from its final state."""
+    B = len(samples)
+    T = max(len(s.ids) for s in samples)
+    A = samples[0].aux.shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    aux = torch.zeros(B, T, A, dtype=aux_dtype)
+    final = torch.zeros(B, T, target_rows.shape[1])
+    top = torch.zeros(B, T, dtype=torch.long)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        n = len(s.ids)
+        ids[b, :n], aux[b, :n], final[b, :n] = s.ids, s.aux, s.final.float()
+        top[b, :n], loss_mask[b, :n] = s.top, s.loss_mask
+    target_logp = F.log_softmax(final.to(device) @ target_rows.to(device).T, dim=-1)  # (B, T, Vd)
+    return TTTBatch(
+        ids=ids.to(device),
+        aux=aux.to(device),
+        target_logp=target_logp,
+        target_valid=t2d.to(device)[top.to(device)],
+        loss_mask=loss_mask.to(device),
+    )
+
+
+def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Sample indices sorted by length, cut so that rows * longest <= batch_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    frac = min(1.0, frac)
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train(
+    head: Eagle3Head,
+    samples: Sequence[FeatureShard],
+    vocab: DraftVocab,
+    target_lm_head: torch.Tensor,  # (V, Ct) the target's lm_head weight
+    cfg: TrainConfig,
+    *,
+    checkpoint: Path | None = None,
+    on_step: Callable[[StepStats], None] | None = None,
+    total_steps_hint: Callable[[int], None] | None = None,
+) -> list[StepStats]:
+    """Train `head` in place (its trainable parameters); resumes from `checkpoint` when it exists
+    and writes it every `checkpoint_every` steps and at each epoch end."""
+    rank, size = world()
+    device = head.device
+    module: nn.Module = TTTModule(head, cfg.ttt_steps)
+    if size > 1:
+        module = nn.parallel.DistributedDataParallel(module)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    batches = make_batches([len(s.ids) for s in samples], cfg.batch_tokens)
+    total = cfg.epochs * len(batches)
+    if total_steps_hint is not None:
+        total_steps_hint(total)
+    step = 0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, map_location=device, weights_only=False)
+        head.load_state_dict(state["head"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+    rows = target_head_rows(target_lm_head, vocab).to(device)
+    t2d = vocab.t2d.to(device)
+    weights = torch.tensor([cfg.decay**j for j in range(cfg.ttt_steps)], device=device)
+    autocast = cfg.dtype != "float32"
+    amp_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float16
+    history: list[StepStats] = []
+    module.train()
+    while step < total:
+        epoch, index = divmod(step, len(batches))
+        order = list(range(len(batches)))
+        random.Random(cfg.seed * 1000 + epoch).shuffle(order)
+        mine = batches[order[index]][rank::size]
+        if not mine:  # fewer rows than ranks: this rank still joins the collectives
+            mine = batches[order[index]][:1]
+        batch = collate([samples[i] for i in mine], rows, t2d, head.dtype, device)
+        if len(batches[order[index]]) < size:
+            batch.loss_mask.zero_()  # the borrowed row must not count twice
+        lr = lr_at(step, total, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
+            out = module(batch)
+        stats = torch.stack([out.counts, out.correct, out.chain]).float()  # (3, J)
+        if size > 1:
+            dist.all_reduce(stats)
+        counts = stats[0].clamp(min=1)
+        per_step = torch.stack(out.loss_sums) / counts  # (J,) this rank's share of the mean
+        loss = (weights * per_step).sum() * size  # DDP averages: * size makes it the sum
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        global_loss = loss.detach() / size
+        if size > 1:
+            dist.all_reduce(global_loss)
+        s = StepStats(
+            step=step,
+            epoch=epoch,
+            loss=float(global_loss),  # sync: one scalar per step, for the log
+            lr=lr,
+            acc=(stats[1] / counts).tolist(),
+            accept_proxy=1 + float(stats[2].sum() / counts[0]),
+        )
+        history.append(s)
+        if on_step is not None:
+            on_step(s)
+        if checkpoint is not None and rank == 0 and (
+            step % cfg.checkpoint_every == 0 or step % len(batches) == 0 or step == total
+        ):
+            save_checkpoint(checkpoint, head, opt, step, cfg)
+    return history
+
+
+def save_checkpoint(
+    path: Path, head: Eagle3Head, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig
+) -> None:
+    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+    state = {
+        "head": {k: v for k, v in head.state_dict().items() if k in trainable or k == "d2t"},
+        "optimizer": opt.state_dict(),
+        "step": step,
+        "config": asdict(cfg),
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.rename(path)

@@ -1,0 +1,58 @@
+"""The draft vocabulary (spec section 1.4): the most frequent target tokens among the responses the
+head is trained on, sorted by target id, as EAGLE and SpecForge build it.
+
+  d2t (Vd,) int64 offsets: target_id = draft_id + d2t[draft_id]
+  t2d (V,)  bool membership of each target id
+
+Worked example: V = 8, Vd = 3, responses count {5: 9, 1: 4, 6: 4, 2: 1} -> most common 5, 1, 6
+(ties by first seen) -> sorted ids [1, 5, 6] -> d2t [1, 4, 4], t2d [0 1 0 0 0 1 1 0].
+With fewer distinct tokens than Vd the smallest unused ids fill the rest (SpecForge does the same).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DraftVocab:
+    ids: torch.Tensor  # (Vd,) int64 target ids, ascending
+    vocab_size: int  # V
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        return self.ids - torch.arange(len(self.ids))
+
+    @property
+    def t2d(self) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[self.ids] = True
+        return mask
+
+    def coverage(self, tokens: Iterable[int]) -> float:
+        """Share of `tokens` that the draft vocabulary can propose."""
+        t2d = self.t2d
+        seen = hit = 0
+        for t in tokens:
+            seen += 1
+            hit += bool(t2d[t])
+        return hit / max(seen, 1)
+
+
+def build_draft_vocab(responses: Sequence[Sequence[int]], size: int, vocab_size: int) -> DraftVocab:
+    """The `size` most frequent ids over `responses` (the loss-masked tokens); `size` >=
+    `vocab_size` gives the whole target vocabulary."""
+    if size >= vocab_size:
+        return DraftVocab(torch.arange(vocab_size), vocab_size)
+    counts: Counter[int] = Counter()
+    for r in responses:
+        counts.update(r)
+    chosen = [t for t, _ in counts.most_common(size)]
+    if len(chosen) < size:
+        used = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
+    return DraftVocab(torch.tensor(sorted(chosen), dtype=torch.long), vocab_size)
