@@ -1,4 +1,4 @@
-"""Command line: `eaglespec generate|pull`.
+"""Command line: `eaglespec generate|pull|train|export`.
 
 Errors a user can act on print as one line, with exit code 2.
 """
@@ -14,9 +14,12 @@ import torch
 
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.errors import EaglespecError, InvalidRequestError
+from eaglespec.heads import packaged_head
 from eaglespec.methods import METHODS
 from eaglespec.model.quant import QUANT_MODES
 from eaglespec.registry import DEFAULT_MODEL, MODELS, list_models, pull
+from eaglespec.train.command import add_train_parser, cmd_train
+from eaglespec.train.export import add_export_parser, cmd_export
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -51,12 +54,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     spec.add_argument(
         "--method",
         choices=METHODS,
-        help="eagle3 (default when --draft is given), draft-model, lookup, or none (plain)",
+        help="eagle3 (the default when --draft is given or a head ships for the model), "
+        "draft-model, lookup, or none (plain)",
     )
     spec.add_argument(
         "--draft",
         help="eagle3: an EAGLE-3 checkpoint folder, or 'random' (a seeded random head: exact "
-        "output, little acceptance); draft-model: a model name or path; 'none': plain decoding",
+        "output, little acceptance); draft-model: a model name or path; 'none': plain decoding. "
+        "Default: the EAGLE-3 head shipped for the model, if any (src/eaglespec/heads/)",
     )
     spec.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per round (chain)")
     spec.add_argument(
@@ -84,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_pull(sub)
+    add_train_parser(sub)
+    add_export_parser(sub)
     return parser
 
 
@@ -104,14 +111,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
+    method, draft = _method_and_draft(args.model, args.method, args.draft)
     llm = LLM(
         args.model,
         dtype=args.dtype,
         device=args.device,
         quant=args.quant,
         progress=not args.json,
-        method=args.method or ("none" if args.draft in (None, "none") else "eagle3"),
-        draft=None if args.draft == "none" else args.draft,
+        method=method,
+        draft=draft,
         num_draft=args.draft_tokens,
         tree=_tree(args.tree),
         capture=_ints(args.capture, "--capture") if args.capture else None,
@@ -156,6 +164,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _method_and_draft(model: str, method: str | None, draft: str | None) -> tuple[str, str | None]:
+    """With neither --method nor --draft (or --method eagle3 alone), the EAGLE-3 head shipped
+    for the model drafts (heads/); --draft none, or no shipped head, decodes plainly."""
+    if draft == "none":
+        return method or "none", None
+    if draft is None and method in (None, "eagle3"):
+        head = packaged_head(model)
+        if head is not None:
+            return "eagle3", str(head)
+    return method or ("eagle3" if draft else "none"), draft
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
@@ -184,7 +204,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "pull": cmd_pull}
+    commands = {"generate": cmd_generate, "pull": cmd_pull, "train": cmd_train, "export": cmd_export}
     try:
         return commands[args.command](args)
     except EaglespecError as e:

@@ -394,13 +394,20 @@ def save_eagle3(
     capture: Sequence[int],
     *,
     num_target_layers: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write `head` in the native layout: config.json (`LlamaForCausalLMEagle3`) and
     model.safetensors (midlayer.*, midlayers.{i}.*, fc, norm, lm_head, d2t, t2d; no embed_tokens
     or lm_head when they are the target's).
 
+    `dtype` casts the floating-point tensors as they are written (d2t stays int64, t2d bool) and
+    is the config's `torch_dtype`; None writes the head's own dtype. The head is never cast: its
+    embedding or lm_head may be the target's modules.
+
     Capture ids are written as boundaries, only when they differ from the default for
-    `num_target_layers` (see `DraftConfig.to_native_dict`).
+    `num_target_layers` (see `DraftConfig.to_native_dict`). When they go under `eagle_config`
+    (SGLang reads only that key), the same boundaries also go to the top-level key, the only one
+    vLLM reads (`get_eagle3_aux_layers_from_config`); our loader prefers the top-level key.
     """
     cfg = head.cfg
     capture = tuple(int(b) for b in capture)
@@ -408,11 +415,22 @@ def save_eagle3(
         raise ValueError(
             f"capture {list(capture)} has {len(capture)} ids, head takes {head.num_aux}"
         )
-    config = cfg.to_native_dict(capture, num_target_layers, torch_dtype=head.dtype)
+    want = head.dtype if dtype is None else dtype
+    if not want.is_floating_point:
+        raise ValueError(f"save dtype must be a floating-point dtype, got {want}")
+    config = cfg.to_native_dict(capture, num_target_layers, torch_dtype=want)
+    ids_key = "eagle_aux_hidden_state_layer_ids"
+    nested = config.get("eagle_config", {}).get(ids_key)
+    if nested is not None:
+        config.setdefault(ids_key, list(nested))
+    tensors = {
+        name: t.to(want) if t.is_floating_point() else t
+        for name, t in _native_tensors(head).items()
+    }
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(_native_tensors(head), str(folder / "model.safetensors"))
+    save_file(tensors, str(folder / "model.safetensors"))
     return folder
 
 

@@ -15,6 +15,7 @@ propose it too. The loss of training covers `response` only.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +138,7 @@ def _context(
 def _batches(
     todo: list[tuple[str, list[int]]], cfg: RegenConfig
 ) -> list[list[tuple[str, list[int]]]]:
-    """Length-sorted batches under the token budget (prompt + new tokens per row)."""
+    """Batches of similar prompt length under the token budget (prompt + new tokens per row)."""
     todo = sorted(todo, key=lambda kv: len(kv[1]))
     batches: list[list[tuple[str, list[int]]]] = []
     cur: list[tuple[str, list[int]]] = []
@@ -149,4 +150,7 @@ def _batches(
         cur.append(item)
     if cur:
         batches.append(cur)
+    # Run the batches in a seeded random order: any prefix of a run (a stopped one) is then a
+    # sample of the whole mix, not its shortest prompts.
+    random.Random(cfg.seed).shuffle(batches)
     return batches

@@ -152,7 +152,7 @@ def train(
     *,
     checkpoint: Path | None = None,
     on_step: Callable[[StepStats], None] | None = None,
-    total_steps_hint: Callable[[int], None] | None = None,
+    on_epoch: Callable[[int], None] | None = None,  # after each epoch's last step
 ) -> list[StepStats]:
     """Train `head` in place (its trainable parameters); resumes from `checkpoint` when it exists
     and writes it every `checkpoint_every` steps and at each epoch end."""
@@ -165,8 +165,6 @@ def train(
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     batches = make_batches([len(s.ids) for s in samples], cfg.batch_tokens)
     total = cfg.epochs * len(batches)
-    if total_steps_hint is not None:
-        total_steps_hint(total)
     step = 0
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, map_location=device, weights_only=False)
@@ -220,6 +218,8 @@ def train(
         history.append(s)
         if on_step is not None:
             on_step(s)
+        if on_epoch is not None and step % len(batches) == 0:
+            on_epoch(epoch)
         if checkpoint is not None and rank == 0 and (
             step % cfg.checkpoint_every == 0 or step % len(batches) == 0 or step == total
         ):
@@ -240,3 +240,32 @@ def save_checkpoint(
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     tmp.rename(path)
+
+
+@torch.no_grad()
+def evaluate(
+    head: Eagle3Head,
+    samples: Sequence[FeatureShard],
+    vocab: DraftVocab,
+    target_lm_head: torch.Tensor,
+    cfg: TrainConfig,
+) -> dict[str, Any]:
+    """Training-time-test metrics on `samples` (held out): per-step top-1 agreement with the
+    target and the greedy acceptance proxy (1 + mean all-correct chain length per anchor)."""
+    if not samples:
+        return {}
+    device = head.device
+    rows = target_head_rows(target_lm_head, vocab).to(device)
+    t2d = vocab.t2d.to(device)
+    totals = torch.zeros(3, cfg.ttt_steps)
+    for idx in make_batches([len(s.ids) for s in samples], cfg.batch_tokens):
+        batch = collate([samples[i] for i in idx], rows, t2d, head.dtype, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype != "float32"):
+            out = ttt_forward(head, batch, cfg.ttt_steps)
+        totals += torch.stack([out.counts, out.correct, out.chain]).float().cpu()
+    counts = totals[0].clamp(min=1)
+    return {
+        "acc": [round(a, 4) for a in (totals[1] / counts).tolist()],
+        "accept_proxy": round(1 + float(totals[2].sum() / counts[0]), 4),
+        "positions": int(totals[0, 0]),
+    }

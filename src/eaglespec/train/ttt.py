@@ -100,14 +100,16 @@ def ttt_forward(
         )
         out = mid.after_attn(residual, mid.attn.wo(a.transpose(1, 2).reshape(B, T, H * D)))
         assert head.norm is not None
-        logp = F.log_softmax(head.lm_head(head.norm(out)).float(), dim=-1)  # (B, T, Vd)
-        if keep_logp:
-            kept.append(logp)
-        target_logp = _shift(batch.target_logp, 1 + j)  # (B, T, Vd): l_{p+1+j}
         valid = _shift(batch.loss_mask, 2 + j) & _shift(batch.target_valid, 1 + j)  # (B, T)
-        ce = -(target_logp.exp() * logp).sum(-1)  # (B, T)
-        loss_sums.append(torch.where(valid, ce, 0.0).sum())
-        hit = (logp.argmax(-1) == target_logp.argmax(-1)) & valid  # (B, T)
+        if keep_logp:
+            kept.append(F.log_softmax(head.lm_head(head.norm(out)).float(), dim=-1))
+        # The lm_head (the widest matmul) only where the loss reads it: Nv valid positions.
+        rows, cols = valid.nonzero(as_tuple=True)  # sync: training only
+        logp = F.log_softmax(head.lm_head(head.norm(out[rows, cols])).float(), dim=-1)  # (Nv, Vd)
+        target_logp = batch.target_logp[rows, cols + 1 + j]  # (Nv, Vd): l_{p+1+j}
+        loss_sums.append(-(target_logp.exp() * logp).sum())
+        hit = torch.zeros_like(valid)
+        hit[rows, cols] = logp.argmax(-1) == target_logp.argmax(-1)
         alive = alive & hit
         counts.append(valid.sum())
         correct.append(hit.sum())

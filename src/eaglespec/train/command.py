@@ -1,0 +1,111 @@
+"""`eaglespec train`: the command line of the training pipeline (pipeline.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eaglespec.errors import InvalidRequestError
+from eaglespec.registry import DEFAULT_MODEL
+from eaglespec.train.pipeline import STAGES, PipelineConfig, run
+from eaglespec.train.regen import RegenConfig
+from eaglespec.train.trainer import TrainConfig
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "train",
+        help="train an EAGLE-3 head for a target (regenerate, capture, train, evaluate)",
+        description="Regenerates the responses with the target, captures its features, trains "
+        "an EAGLE-3 head with the training-time-test loss and writes it in the native "
+        "LlamaForCausalLMEagle3 format to OUT; every stage is cached under OUT/work and resumed.",
+    )
+    p.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF folder")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="FastChat questions, ShareGPT JSON, Alpaca/GSM8K JSONL or plain text")
+    p.add_argument("--out", required=True, type=Path, help="output folder (the head)")
+    p.add_argument("--variants", default="", metavar="NAME=SHARE,...",
+                   help="recast a share of the prompts, e.g. code=0.25 (see train/data.py)")
+    p.add_argument("--limit-per-file", type=int, help="first N conversations of each file")
+    p.add_argument("--stop-after", choices=STAGES, default="eval")
+    g = p.add_argument_group("regeneration")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-prompt-tokens", type=int, default=1024)
+    g.add_argument("--regen-temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--target-dtype", default="bfloat16", help="target dtype for regen and capture")
+    g = p.add_argument_group("head")
+    g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size; 0 = full")
+    g.add_argument("--capture", metavar="B1,B2,B3", help="boundary ids; default 2,N//2,N-3")
+    g.add_argument("--save-dtype", default="bfloat16")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=int, default=10)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup-steps", type=int, default=50)
+    g.add_argument("--schedule", choices=("cosine", "linear"), default="cosine")
+    g.add_argument("--batch-tokens", type=int, default=8192, help="padded positions per step")
+    g.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps")
+    g.add_argument("--grad-clip", type=float, default=0.5)
+    g.add_argument("--train-dtype", default="bfloat16", help="autocast dtype; float32 = none")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="cpu", help="cpu or cuda (runs under torchrun too)")
+    g.add_argument("--threads", type=int, help="CPU threads")
+    g = p.add_argument_group("held-out evaluation")
+    g.add_argument("--heldout", type=float, default=0.02, help="share of conversations held out")
+    g.add_argument("--eval-prompts", type=int, default=24)
+    g.add_argument("--eval-max-tokens", type=int, default=128)
+    g.add_argument("--eval-draft-tokens", type=int, default=4)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = PipelineConfig(
+        target=args.target,
+        data=tuple(args.data),
+        out=args.out,
+        variants=_variants(args.variants),
+        limit_per_file=args.limit_per_file,
+        regen=RegenConfig(
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.regen_temperature,
+            seed=args.seed,
+        ),
+        draft_vocab=args.draft_vocab,
+        capture=tuple(int(x) for x in args.capture.split(",")) if args.capture else None,
+        target_dtype=args.target_dtype,
+        device=args.device,
+        heldout=args.heldout,
+        eval_prompts=args.eval_prompts,
+        eval_max_tokens=args.eval_max_tokens,
+        eval_draft_tokens=args.eval_draft_tokens,
+        save_dtype=args.save_dtype,
+        stop_after=args.stop_after,
+        train=TrainConfig(
+            epochs=args.epochs,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            schedule=args.schedule,
+            batch_tokens=args.batch_tokens,
+            ttt_steps=args.ttt_steps,
+            grad_clip=args.grad_clip,
+            dtype=args.train_dtype,
+            seed=args.seed,
+        ),
+    )
+    run(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
+def _variants(text: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for part in filter(None, text.split(",")):
+        name, _, share = part.partition("=")
+        try:
+            out.append((name, float(share)))
+        except ValueError:
+            raise InvalidRequestError(f"--variants takes NAME=SHARE pairs, got '{part}'") from None
+    return tuple(out)

@@ -1,0 +1,314 @@
+"""`eaglespec train`: prompts -> target-regenerated responses -> captured features -> draft vocabulary
+-> training-time-test training -> native EAGLE-3 checkpoint -> held-out acceptance with the real
+decoder. Every stage caches its result under OUT/work, so a rerun (or `--resume` after a stop)
+picks up where the last one ended, and the same command reproduces a head from scratch.
+
+Under `torchrun` (WORLD_SIZE > 1) rank 0 regenerates and captures while the others wait; all ranks
+train (trainer.py's exact gradient split); rank 0 writes and evaluates the head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eaglespec.config import SamplingParams
+from eaglespec.draft.config import DraftConfig, resolve_capture_layers
+from eaglespec.draft.eagle3 import Eagle3Head
+from eaglespec.draft.loader import load_eagle3, save_eagle3
+from eaglespec.draft.proposer import Eagle3Proposer
+from eaglespec.engine import generate_speculative
+from eaglespec.model.loader import LoadedModel, load_model, parse_dtype
+from eaglespec.registry import resolve_model
+from eaglespec.requests import collect_outputs
+from eaglespec.train.data import read_all, with_variants
+from eaglespec.train.features import FeatureShard, capture_features, load_shard
+from eaglespec.train.regen import RegenConfig, Sample, read_samples, regenerate
+from eaglespec.train.trainer import StepStats, TrainConfig, evaluate, train, world
+from eaglespec.train.vocab import DraftVocab, build_draft_vocab
+
+STAGES = ("regen", "features", "train", "eval")
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    target: str  # registry name, GGUF file or HF folder
+    data: tuple[str, ...]  # prompt files (see data.py for the formats)
+    out: Path
+    variants: tuple[tuple[str, float], ...] = ()  # (name, share) prompt recasts, data.VARIANTS
+    limit_per_file: int | None = None  # first N conversations of each file
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
+    capture: tuple[int, ...] | None = None  # boundary ids; default (2, N//2, N-3)
+    target_dtype: str = "bfloat16"  # regeneration and capture
+    device: str = "cpu"
+    heldout: float = 0.02  # share of conversations held out (by source, never trained on)
+    eval_prompts: int = 24  # held-out prompts decoded with the real engine at the end
+    eval_max_tokens: int = 128
+    eval_draft_tokens: int = 4
+    save_dtype: str = "bfloat16"
+    stop_after: str = "eval"  # one of STAGES
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[str, Any]:
+    """Run the stages up to `cfg.stop_after`; returns (and writes to OUT/train_report.json) the
+    report: data, vocabulary, training curve, held-out acceptance, times."""
+    if cfg.stop_after not in STAGES:
+        raise ValueError(f"stop_after must be one of {STAGES}")
+    _init_distributed(cfg.device)
+    rank, size = world()
+    work = cfg.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"config": _jsonable(asdict(cfg)), "world_size": size}
+    times: dict[str, float] = {}
+    target = load_model(
+        resolve_model(cfg.target, progress=progress and rank == 0),
+        dtype=cfg.target_dtype,
+        device=cfg.device,
+    )
+    tcfg = target.config
+    capture = resolve_capture_layers(_probe_cfg(target), tcfg.num_layers, cfg.capture)
+    report["capture"] = list(capture)
+
+    t = time.perf_counter()
+    if rank == 0:
+        convs = read_all(cfg.data) if cfg.limit_per_file is None else _limited(cfg)
+        convs = with_variants(convs, dict(cfg.variants))
+        log(f"regen: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} user turns")
+        summary = regenerate(
+            target.model, target.tokenizer, convs, work / "responses.jsonl", cfg.regen,
+            on_batch=_counter(log, "regen", "turns"),
+        )
+        report["regen"] = asdict(summary)
+        log(f"regen: {summary.samples} responses, {summary.response_tokens} tokens")
+    _barrier()
+    times["regen"] = time.perf_counter() - t
+    if cfg.stop_after == "regen":
+        return _finish(cfg, report, times)
+
+    samples = read_samples(work / "responses.jsonl")
+    train_s, held_s = split_heldout(samples, cfg.heldout)
+    size_v = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
+    vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size)
+    report["data"] = {
+        "samples": len(samples),
+        "train_samples": len(train_s),
+        "heldout_samples": len(held_s),
+        "train_response_tokens": sum(len(s.response) for s in train_s),
+        "draft_vocab": len(vocab.ids),
+        "heldout_vocab_coverage": vocab.coverage(t for s in held_s for t in s.response),
+    }
+    log(f"data: {json.dumps(report['data'])}")
+
+    t = time.perf_counter()
+    if rank == 0:
+        capture_features(
+            target.model, samples, capture, work / "features",
+            on_batch=_counter(log, "features", "samples"),
+        )
+    _barrier()
+    times["features"] = time.perf_counter() - t
+    if cfg.stop_after == "features":
+        return _finish(cfg, report, times)
+
+    t = time.perf_counter()
+    shards = [load_shard(p) for p in sorted((work / "features").glob("shard-*.safetensors"))]
+    by_key = {k: s.sample(i) for s in shards for i, k in enumerate(s.keys)}
+    train_f = [by_key[s.key] for s in train_s if s.key in by_key]
+    held_f = [by_key[s.key] for s in held_s if s.key in by_key]
+    head = build_head(target, vocab, len(capture), cfg.device)
+    curve: list[dict[str, Any]] = []
+    heldout_curve: list[dict[str, Any]] = []
+    history = train(
+        head, train_f, vocab, target.model.lm_head.weight, cfg.train,
+        checkpoint=work / "checkpoint.pt",
+        on_step=_step_logger(log, curve),
+        on_epoch=_epoch_eval(log, heldout_curve, head, held_f, vocab, target, cfg),
+    )
+    times["train"] = time.perf_counter() - t
+    report["train"] = {"steps": len(history), "curve": curve, "heldout": heldout_curve}
+    if rank == 0:
+        save_eagle3(
+            head, cfg.out, capture, num_target_layers=tcfg.num_layers,
+            dtype=parse_dtype(cfg.save_dtype),
+        )
+        log(f"saved the head to {cfg.out}")
+    if cfg.stop_after == "train" or rank != 0:
+        return _finish(cfg, report, times)
+
+    t = time.perf_counter()
+    report["heldout_acceptance"] = heldout_acceptance(cfg, held_s, log)
+    times["eval"] = time.perf_counter() - t
+    return _finish(cfg, report, times)
+
+
+def split_heldout(samples: Sequence[Sample], share: float) -> tuple[list[Sample], list[Sample]]:
+    """Held out by conversation (all turns of one together), by a stable hash of its source."""
+    train_s, held_s = [], []
+    for s in samples:
+        source = s.key.rsplit("#", 1)[0]
+        (held_s if zlib.crc32(source.encode()) % 10_000 < share * 10_000 else train_s).append(s)
+    return train_s, held_s
+
+
+def build_head(target: LoadedModel, vocab: DraftVocab, num_aux: int, device: str) -> Eagle3Head:
+    """A fresh fp32 head shaped like the target: the target's embedding (frozen, an fp32 copy),
+    lm_head initialised from the target's rows of the draft vocabulary and `norm` from the
+    target's final norm (the head starts out reading its state the way the target does)."""
+    model = target.model
+    dcfg = DraftConfig.like_target(target.config, draft_vocab_size=len(vocab.ids))
+    embed = nn.Embedding.from_pretrained(model.embed.weight.detach().float().clone(), freeze=True)
+    torch.manual_seed(0)
+    head = Eagle3Head(dcfg, num_aux, embed=embed).to(device)
+    head.shares_embed = True  # the target's embedding: never saved with the head
+    with torch.no_grad():
+        assert isinstance(head.lm_head, nn.Linear) and head.norm is not None
+        head.lm_head.weight.copy_(model.lm_head.weight.detach()[vocab.ids].float())
+        head.norm.weight.copy_(model.norm.weight.detach().float())
+        head.d2t.copy_(vocab.d2t)
+    return head
+
+
+def heldout_acceptance(
+    cfg: PipelineConfig, held: Sequence[Sample], log: Log
+) -> dict[str, Any]:
+    """Greedy chain decoding of held-out first turns with the saved head on an fp32 target, as
+    `eaglespec generate --draft OUT` runs it: tokens per target forward (the bonus included)."""
+    prompts = [s.prompt for s in held if s.key.endswith("#0")][: cfg.eval_prompts]
+    if not prompts:
+        return {"prompts": 0}
+    target = load_model(resolve_model(cfg.target, progress=False), device=cfg.device)
+    loaded = load_eagle3(cfg.out, target.model)
+    proposer = Eagle3Proposer(loaded.head, loaded.capture)
+    params = SamplingParams(max_tokens=cfg.eval_max_tokens)
+    outs = []
+    for p in prompts:  # one at a time: batch padding must not enter the timing
+        outs += collect_outputs(
+            generate_speculative(
+                target.model, proposer, target.tokenizer, [p], [params],
+                num_draft=cfg.eval_draft_tokens,
+            )
+        )
+    rounds = sum(o.stats.rounds for o in outs)
+    accepted = sum(o.stats.accepted_tokens for o in outs)
+    result = {
+        "prompts": len(outs),
+        "draft_tokens": cfg.eval_draft_tokens,
+        "max_tokens": cfg.eval_max_tokens,
+        "rounds": rounds,
+        "mean_accept_length": (accepted + rounds) / max(rounds, 1),
+        "per_prompt": [round(o.stats.mean_accept_length, 3) for o in outs],
+    }
+    log(f"held-out acceptance: {result['mean_accept_length']:.2f} tokens per target forward "
+        f"(chain of {cfg.eval_draft_tokens}, {len(outs)} prompts)")
+    return result
+
+
+def _step_logger(log: Log, curve: list[dict[str, Any]]) -> Callable[[StepStats], None]:
+    rank, _ = world()
+
+    def on_step(s: StepStats) -> None:
+        curve.append({
+            "step": s.step, "epoch": s.epoch, "loss": round(s.loss, 4), "lr": s.lr,
+            "acc": [round(a, 3) for a in s.acc], "accept_proxy": round(s.accept_proxy, 3),
+        })
+        if rank == 0 and s.step % 20 == 0:
+            log(f"step {s.step} epoch {s.epoch} loss {s.loss:.3f} acc0 {s.acc[0]:.3f} "
+                f"proxy {s.accept_proxy:.2f} lr {s.lr:.2e}")
+
+    return on_step
+
+
+def _epoch_eval(
+    log: Log,
+    curve: list[dict[str, Any]],
+    head: Eagle3Head,
+    held: Sequence[FeatureShard],
+    vocab: DraftVocab,
+    target: LoadedModel,
+    cfg: PipelineConfig,
+) -> Callable[[int], None]:
+    """Held-out training-time-test metrics after each epoch (rank 0)."""
+
+    def on_epoch(epoch: int) -> None:
+        if world()[0] != 0:
+            return
+        m = evaluate(head, held, vocab, target.model.lm_head.weight, cfg.train)
+        curve.append({"epoch": epoch, **m})
+        if m:
+            log(f"epoch {epoch} held-out: acc {m['acc'][:4]} proxy {m['accept_proxy']:.2f}")
+
+    return on_epoch
+
+
+def _probe_cfg(target: LoadedModel) -> DraftConfig:
+    return DraftConfig.like_target(target.config)
+
+
+def _limited(cfg: PipelineConfig) -> list[Any]:
+    out = []
+    for path in cfg.data:
+        out.extend(read_all([path])[: cfg.limit_per_file])
+    return out
+
+
+def _counter(log: Log, stage: str, unit: str) -> Callable[[int, int], None]:
+    done = [0, 0]
+    start = time.perf_counter()
+
+    def on_batch(n: int, tokens: int) -> None:
+        done[0] += n
+        done[1] += tokens
+        rate = done[1] / max(time.perf_counter() - start, 1e-9)
+        log(f"{stage}: {done[0]} {unit}, {done[1]} tokens ({rate:.0f} tokens/s)")
+
+    return on_batch
+
+
+def _init_distributed(device: str) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _finish(cfg: PipelineConfig, report: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
+    report["seconds"] = {k: round(v, 1) for k, v in times.items()}
+    report["environment"] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": cfg.device,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+    }
+    if world()[0] == 0:
+        (cfg.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    return x

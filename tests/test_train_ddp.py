@@ -1,0 +1,77 @@
+"""Two CPU processes under DistributedDataParallel (gloo) train the same head as one process does:
+the trainer splits each global batch's rows across ranks and normalises by the global count."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from eaglespec.draft.config import default_capture
+from eaglespec.draft.eagle3 import Eagle3Head
+from eaglespec.train.features import FeatureShard, _capture_batch, _concat
+from eaglespec.train.pipeline import build_head
+from eaglespec.train.regen import Sample
+from eaglespec.train.trainer import TrainConfig, train
+from eaglespec.train.vocab import DraftVocab, build_draft_vocab
+from helpers import tiny_target
+
+CFG = TrainConfig(epochs=2, batch_tokens=160, warmup_steps=2, lr=3e-3, dtype="float32", ttt_steps=3)
+
+
+class _Loaded:
+    """What build_head reads of a loaded model."""
+
+    def __init__(self, model):  # type: ignore[no-untyped-def]
+        self.model, self.config = model, model.cfg
+
+
+def _setup() -> tuple[Eagle3Head, list[FeatureShard], DraftVocab, torch.Tensor]:
+    target = tiny_target(0, vocab=96, layers=4)
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 96, (n,), generator=gen).tolist()
+
+    samples = [Sample(f"s{i}", ids(4 + i % 3), ids(8 + 2 * i), "stop") for i in range(10)]
+    shard = _concat(_capture_batch(target, samples, default_capture(4)), [s.key for s in samples])
+    feats = [shard.sample(i) for i in range(len(shard))]
+    vocab = build_draft_vocab([s.response for s in samples], 48, 96)
+    head = build_head(_Loaded(target), vocab, 3, "cpu")  # type: ignore[arg-type]
+    return head, feats, vocab, target.lm_head.weight
+
+
+def _trained_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in head.named_parameters() if p.requires_grad}
+
+
+def _worker(rank: int, size: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    try:
+        head, feats, vocab, lm = _setup()
+        train(head, feats, vocab, lm, CFG)
+        if rank == 0:
+            torch.save(_trained_state(head), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_train_the_same_head_as_one(tmp_path: Path) -> None:
+    head, feats, vocab, lm = _setup()
+    before = _trained_state(head)
+    history = train(head, feats, vocab, lm, CFG)
+    single = _trained_state(head)
+    assert history[-1].loss < history[0].loss
+    assert any(not torch.equal(before[n], single[n]) for n in single)
+
+    out = tmp_path / "ddp.pt"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    ddp = torch.load(out)
+    assert set(ddp) == set(single)
+    for name in single:
+        torch.testing.assert_close(ddp[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
