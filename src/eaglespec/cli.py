@@ -204,7 +204,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "pull": cmd_pull, "train": cmd_train, "export": cmd_export}
+    commands = {
+        "generate": cmd_generate,
+        "pull": cmd_pull,
+        "train": cmd_train,
+        "export": cmd_export,
+    }
     try:
         return commands[args.command](args)
     except EaglespecError as e:

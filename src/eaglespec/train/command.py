@@ -22,11 +22,20 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "LlamaForCausalLMEagle3 format to OUT; every stage is cached under OUT/work and resumed.",
     )
     p.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF folder")
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                   help="FastChat questions, ShareGPT JSON, Alpaca/GSM8K JSONL or plain text")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="FastChat questions, ShareGPT JSON, Alpaca/GSM8K JSONL or plain text",
+    )
     p.add_argument("--out", required=True, type=Path, help="output folder (the head)")
-    p.add_argument("--variants", default="", metavar="NAME=SHARE,...",
-                   help="recast a share of the prompts, e.g. code=0.25 (see train/data.py)")
+    p.add_argument(
+        "--variants",
+        default="",
+        metavar="NAME=SHARE,...",
+        help="recast a share of the prompts, e.g. code=0.25 (see train/data.py)",
+    )
     p.add_argument("--limit-per-file", type=int, help="first N conversations of each file")
     p.add_argument("--stop-after", choices=STAGES, default="eval")
     g = p.add_argument_group("regeneration")

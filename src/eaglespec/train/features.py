@@ -40,8 +40,13 @@ class FeatureShard:
     def sample(self, i: int) -> FeatureShard:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return FeatureShard(
-            self.ids[a:b], self.aux[a:b], self.final[a:b], self.top[a:b], self.loss_mask[a:b],
-            torch.tensor([0, b - a]), [self.keys[i]],
+            self.ids[a:b],
+            self.aux[a:b],
+            self.final[a:b],
+            self.top[a:b],
+            self.loss_mask[a:b],
+            torch.tensor([0, b - a]),
+            [self.keys[i]],
         )
 
     def __len__(self) -> int:
@@ -98,7 +103,9 @@ def capture_features(
     """Capture every sample not yet in a shard of `folder`; returns all shard paths."""
     folder.mkdir(parents=True, exist_ok=True)
     have = {k for p in shard_paths(folder) for k in load_shard_keys(p)}
-    todo = sorted((s for s in samples if s.key not in have), key=lambda s: len(s.prompt) + len(s.response))
+    todo = sorted(
+        (s for s in samples if s.key not in have), key=lambda s: len(s.prompt) + len(s.response)
+    )
     n = len(shard_paths(folder))
     for start in range(0, len(todo), shard_samples):
         group = todo[start : start + shard_samples]
@@ -107,7 +114,9 @@ def capture_features(
             parts.extend(_capture_batch(model, batch, capture))
             if on_batch is not None:
                 on_batch(len(batch), sum(len(s.prompt) + len(s.response) for s in batch))
-        save_shard(_concat(parts, [s.key for s in group]), folder / f"shard-{n:05d}.safetensors", capture)
+        save_shard(
+            _concat(parts, [s.key for s in group]), folder / f"shard-{n:05d}.safetensors", capture
+        )
         n += 1
     return shard_paths(folder)
 
@@ -154,11 +163,13 @@ def _capture_batch(
     aux = torch.cat(out.hidden[:-1], dim=-1)  # (B, T, A*Ct)
     final = model.norm(out.hidden[-1])  # (B, T, Ct) post-norm, what lm_head reads
     top = model.lm_head(final).argmax(-1)  # (B, T)
-    result = []
+    result: list[tuple[torch.Tensor, ...]] = []
     for b, (s, n) in enumerate(zip(batch, lengths, strict=True)):
         mask = torch.zeros(n, dtype=torch.bool)
         mask[len(s.prompt) :] = True
-        result.append((ids[b, :n].cpu(), aux[b, :n].cpu(), final[b, :n].cpu(), top[b, :n].cpu(), mask))
+        result.append(
+            (ids[b, :n].cpu(), aux[b, :n].cpu(), final[b, :n].cpu(), top[b, :n].cpu(), mask)
+        )
     return result
 
 

@@ -1,7 +1,7 @@
-"""`eaglespec train`: prompts -> target-regenerated responses -> captured features -> draft vocabulary
--> training-time-test training -> native EAGLE-3 checkpoint -> held-out acceptance with the real
-decoder. Every stage caches its result under OUT/work, so a rerun (or `--resume` after a stop)
-picks up where the last one ended, and the same command reproduces a head from scratch.
+"""`eaglespec train`: prompts -> target-regenerated responses -> captured features -> draft
+vocabulary -> training-time-test training -> native EAGLE-3 checkpoint -> held-out acceptance with
+the real decoder. Every stage caches its result under OUT/work, so rerunning the command after a
+stop picks up where it ended, and the same command reproduces a head from scratch.
 
 Under `torchrun` (WORLD_SIZE > 1) rank 0 regenerates and captures while the others wait; all ranks
 train (trainer.py's exact gradient split); rank 0 writes and evaluates the head.
@@ -89,7 +89,11 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         convs = with_variants(convs, dict(cfg.variants))
         log(f"regen: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} user turns")
         summary = regenerate(
-            target.model, target.tokenizer, convs, work / "responses.jsonl", cfg.regen,
+            target.model,
+            target.tokenizer,
+            convs,
+            work / "responses.jsonl",
+            cfg.regen,
             on_batch=_counter(log, "regen", "turns"),
         )
         report["regen"] = asdict(summary)
@@ -116,7 +120,10 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     t = time.perf_counter()
     if rank == 0:
         capture_features(
-            target.model, samples, capture, work / "features",
+            target.model,
+            samples,
+            capture,
+            work / "features",
             on_batch=_counter(log, "features", "samples"),
         )
     _barrier()
@@ -133,7 +140,11 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     curve: list[dict[str, Any]] = []
     heldout_curve: list[dict[str, Any]] = []
     history = train(
-        head, train_f, vocab, target.model.lm_head.weight, cfg.train,
+        head,
+        train_f,
+        vocab,
+        target.model.lm_head.weight,
+        cfg.train,
         checkpoint=work / "checkpoint.pt",
         on_step=_step_logger(log, curve),
         on_epoch=_epoch_eval(log, heldout_curve, head, held_f, vocab, target, cfg),
@@ -142,7 +153,10 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     report["train"] = {"steps": len(history), "curve": curve, "heldout": heldout_curve}
     if rank == 0:
         save_eagle3(
-            head, cfg.out, capture, num_target_layers=tcfg.num_layers,
+            head,
+            cfg.out,
+            capture,
+            num_target_layers=tcfg.num_layers,
             dtype=parse_dtype(cfg.save_dtype),
         )
         log(f"saved the head to {cfg.out}")
@@ -157,7 +171,8 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
 
 def split_heldout(samples: Sequence[Sample], share: float) -> tuple[list[Sample], list[Sample]]:
     """Held out by conversation (all turns of one together), by a stable hash of its source."""
-    train_s, held_s = [], []
+    train_s: list[Sample] = []
+    held_s: list[Sample] = []
     for s in samples:
         source = s.key.rsplit("#", 1)[0]
         (held_s if zlib.crc32(source.encode()) % 10_000 < share * 10_000 else train_s).append(s)
@@ -170,7 +185,8 @@ def build_head(target: LoadedModel, vocab: DraftVocab, num_aux: int, device: str
     target's final norm (the head starts out reading its state the way the target does)."""
     model = target.model
     dcfg = DraftConfig.like_target(target.config, draft_vocab_size=len(vocab.ids))
-    embed = nn.Embedding.from_pretrained(model.embed.weight.detach().float().clone(), freeze=True)
+    embed = nn.Embedding(*model.embed.weight.shape).requires_grad_(False)
+    embed.weight.data.copy_(model.embed.weight.detach().float())
     torch.manual_seed(0)
     head = Eagle3Head(dcfg, num_aux, embed=embed).to(device)
     head.shares_embed = True  # the target's embedding: never saved with the head
@@ -182,9 +198,7 @@ def build_head(target: LoadedModel, vocab: DraftVocab, num_aux: int, device: str
     return head
 
 
-def heldout_acceptance(
-    cfg: PipelineConfig, held: Sequence[Sample], log: Log
-) -> dict[str, Any]:
+def heldout_acceptance(cfg: PipelineConfig, held: Sequence[Sample], log: Log) -> dict[str, Any]:
     """Greedy chain decoding of held-out first turns with the saved head on an fp32 target, as
     `eaglespec generate --draft OUT` runs it: tokens per target forward (the bonus included)."""
     prompts = [s.prompt for s in held if s.key.endswith("#0")][: cfg.eval_prompts]
@@ -198,7 +212,11 @@ def heldout_acceptance(
     for p in prompts:  # one at a time: batch padding must not enter the timing
         outs += collect_outputs(
             generate_speculative(
-                target.model, proposer, target.tokenizer, [p], [params],
+                target.model,
+                proposer,
+                target.tokenizer,
+                [p],
+                [params],
                 num_draft=cfg.eval_draft_tokens,
             )
         )
@@ -212,8 +230,10 @@ def heldout_acceptance(
         "mean_accept_length": (accepted + rounds) / max(rounds, 1),
         "per_prompt": [round(o.stats.mean_accept_length, 3) for o in outs],
     }
-    log(f"held-out acceptance: {result['mean_accept_length']:.2f} tokens per target forward "
-        f"(chain of {cfg.eval_draft_tokens}, {len(outs)} prompts)")
+    log(
+        f"held-out acceptance: {result['mean_accept_length']:.2f} tokens per target forward "
+        f"(chain of {cfg.eval_draft_tokens}, {len(outs)} prompts)"
+    )
     return result
 
 
@@ -221,13 +241,21 @@ def _step_logger(log: Log, curve: list[dict[str, Any]]) -> Callable[[StepStats],
     rank, _ = world()
 
     def on_step(s: StepStats) -> None:
-        curve.append({
-            "step": s.step, "epoch": s.epoch, "loss": round(s.loss, 4), "lr": s.lr,
-            "acc": [round(a, 3) for a in s.acc], "accept_proxy": round(s.accept_proxy, 3),
-        })
+        curve.append(
+            {
+                "step": s.step,
+                "epoch": s.epoch,
+                "loss": round(s.loss, 4),
+                "lr": s.lr,
+                "acc": [round(a, 3) for a in s.acc],
+                "accept_proxy": round(s.accept_proxy, 3),
+            }
+        )
         if rank == 0 and s.step % 20 == 0:
-            log(f"step {s.step} epoch {s.epoch} loss {s.loss:.3f} acc0 {s.acc[0]:.3f} "
-                f"proxy {s.accept_proxy:.2f} lr {s.lr:.2e}")
+            log(
+                f"step {s.step} epoch {s.epoch} loss {s.loss:.3f} acc0 {s.acc[0]:.3f} "
+                f"proxy {s.accept_proxy:.2f} lr {s.lr:.2e}"
+            )
 
     return on_step
 

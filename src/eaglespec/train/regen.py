@@ -98,15 +98,21 @@ def regenerate(
                     max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed
                 )
                 outs = collect_outputs(
-                    generate_stream(model, tokenizer, [ids for _, ids in batch], [params] * len(batch))
+                    generate_stream(
+                        model, tokenizer, [ids for _, ids in batch], [params] * len(batch)
+                    )
                 )
                 tokens = 0
                 for (key, ids), o in zip(batch, outs, strict=True):
                     resp = o.token_ids + ([eot] if o.finish_reason == "stop" else [])
                     s = Sample(key, ids, resp, o.finish_reason or "length")
                     done[key] = s
-                    f.write(json.dumps({"key": key, "prompt": ids, "response": resp,
-                                        "finish": s.finish}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {"key": key, "prompt": ids, "response": resp, "finish": s.finish}
+                        )
+                        + "\n"
+                    )
                     tokens += len(resp)
                 f.flush()
                 new += len(batch)

@@ -200,7 +200,7 @@ def train(
         per_step = torch.stack(out.loss_sums) / counts  # (J,) this rank's share of the mean
         loss = (weights * per_step).sum() * size  # DDP averages: * size makes it the sum
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         step += 1
@@ -220,8 +220,10 @@ def train(
             on_step(s)
         if on_epoch is not None and step % len(batches) == 0:
             on_epoch(epoch)
-        if checkpoint is not None and rank == 0 and (
-            step % cfg.checkpoint_every == 0 or step % len(batches) == 0 or step == total
+        if (
+            checkpoint is not None
+            and rank == 0
+            and (step % cfg.checkpoint_every == 0 or step % len(batches) == 0 or step == total)
         ):
             save_checkpoint(checkpoint, head, opt, step, cfg)
     return history

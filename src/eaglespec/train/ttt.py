@@ -76,7 +76,7 @@ def ttt_forward(
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     device = batch.ids.device
     Ct = cfg.target_hidden_size
-    g = head.combine(list(batch.aux.split(Ct, dim=-1)))  # (B, T, C)
+    g = head.combine(list(torch.split(batch.aux, Ct, dim=-1)))  # (B, T, C)
     base = torch.arange(T, device=device).expand(B, T)  # (B, T)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -96,7 +96,7 @@ def ttt_forward(
         values.append(qkv[:, :, H + Hkv :].transpose(1, 2))
         mask = _ttt_mask(T, j, device)  # (T, (j+1)T)
         a = F.scaled_dot_product_attention(
-            q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=H != Hkv
+            q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=Hkv != H
         )
         out = mid.after_attn(residual, mid.attn.wo(a.transpose(1, 2).reshape(B, T, H * D)))
         assert head.norm is not None
