@@ -42,6 +42,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-prompt-tokens", type=int, default=1024)
     g.add_argument("--regen-temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument(
+        "--regen-max-samples",
+        type=int,
+        help="stop regenerating once this many responses exist (batches run in a seeded random "
+        "order, so they are a sample of the whole mix)",
+    )
     g.add_argument("--target-dtype", default="bfloat16", help="target dtype for regen and capture")
     g = p.add_argument_group("head")
     g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size; 0 = full")
@@ -81,6 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             max_prompt_tokens=args.max_prompt_tokens,
             max_new_tokens=args.max_new_tokens,
             temperature=args.regen_temperature,
+            max_samples=args.regen_max_samples,
             seed=args.seed,
         ),
         draft_vocab=args.draft_vocab,

@@ -36,6 +36,7 @@ class RegenConfig:
     seed: int = 0
     batch_tokens: int = 24576  # prompt + new tokens per batch (bounds the KV cache and padding)
     max_batch: int = 64
+    max_samples: int | None = None  # stop once the file holds this many responses
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,8 @@ def regenerate(
                     continue
                 todo.append((key, ids))
             for batch in _batches(todo, cfg):
+                if cfg.max_samples is not None and len(done) >= cfg.max_samples:
+                    break
                 params = SamplingParams(
                     max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed
                 )
