@@ -47,7 +47,7 @@ def read_conversations(path: str | Path) -> list[Conversation]:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise InvalidRequestError(f"cannot read training data {path}: {e.strerror}") from e
-    records = _json_records(text)
+    records = _json_records(text, path)
     if records is None:
         return _paragraphs(text, path.name)
     out: list[Conversation] = []
@@ -86,13 +86,19 @@ def with_variants(
     return out
 
 
-def _json_records(text: str) -> list[Any] | None:
-    """A JSON array, or JSON lines; None when the text is neither (plain text)."""
+def _json_records(text: str, path: Path) -> list[Any] | None:
+    """A JSON array, or JSON lines; None when the text is neither (plain text). Text that opens
+    like a JSON array of objects but does not parse (a truncated download) is an error, never
+    silently read as prompts."""
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
             data = json.loads(stripped)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as e:
+            if stripped[1:].lstrip().startswith("{"):
+                raise InvalidRequestError(
+                    f"{path}: not valid JSON (truncated?): {e.msg} at line {e.lineno}"
+                ) from e
             return None
         return data if isinstance(data, list) else None
     if not stripped.startswith("{"):
@@ -104,7 +110,7 @@ def _json_records(text: str) -> list[Any] | None:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"line {n} is not valid JSON: {e.msg}") from e
+            raise InvalidRequestError(f"{path}: line {n} is not valid JSON: {e.msg}") from e
     return records
 
 

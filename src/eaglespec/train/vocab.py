@@ -35,12 +35,8 @@ class DraftVocab:
 
     def coverage(self, tokens: Iterable[int]) -> float:
         """Share of `tokens` that the draft vocabulary can propose."""
-        t2d = self.t2d
-        seen = hit = 0
-        for t in tokens:
-            seen += 1
-            hit += bool(t2d[t])
-        return hit / max(seen, 1)
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        return float(self.t2d[ids].float().mean()) if len(ids) else 0.0
 
 
 def build_draft_vocab(responses: Sequence[Sequence[int]], size: int, vocab_size: int) -> DraftVocab:
