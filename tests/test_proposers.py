@@ -98,8 +98,12 @@ def test_draft_model_prefill_and_catch_up_match_a_fresh_prefill(target: Transfor
         ids = torch.tensor([seq])
         out = draft(ids, torch.arange(len(seq))[None], fresh)
         n = len(seq)
-        torch.testing.assert_close(state.cache.k[:, row, :, :n], fresh.k[:, 0, :, :n])
-        torch.testing.assert_close(state.cache.v[:, row, :, :n], fresh.v[:, 0, :, :n])
+        # Batched (ragged) and single-row fp32 forwards sum in different orders, and the CPU
+        # kernel chosen depends on load: 1e-4 absorbs that (1.1e-5 seen once), while a wrong
+        # slot or position differs by O(1).
+        tol = {"rtol": 1e-4, "atol": 1e-4}
+        torch.testing.assert_close(state.cache.k[:, row, :, :n], fresh.k[:, 0, :, :n], **tol)
+        torch.testing.assert_close(state.cache.v[:, row, :, :n], fresh.v[:, 0, :, :n], **tol)
         assert state.first[row].item() == out.logits[0, -1].argmax().item()
     # Rows leave the batch together with their state.
     kept = proposer.select_rows(state, [1])
