@@ -3,7 +3,7 @@ EAGLE-2 tree on the same engine, prompts and outputs.
 
     python benchmarks/head_acceptance.py --draft src/eaglespec/heads/smollm2-135m \\
         --questions ../shared/data/eval/*.jsonl [--model smollm2-135m] [--limit 5]
-        [--max-tokens 128] [--draft-tokens 4] [--tree 4,4,16] [--out results.json]
+        [--max-tokens 128] [--draft-tokens 2 4] [--tree 4,4,16] [--out results.json]
 
 First turns of FastChat questions with the model's chat template, fp32 target. For each set:
 mean acceptance length (tokens per target forward, the bonus included; summed over prompts, then
@@ -69,15 +69,17 @@ def main() -> None:
     ap.add_argument("--draft", required=True, help="EAGLE-3 head folder")
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[4], help="chain lengths")
     ap.add_argument("--tree", default="4,4,16", help="DEPTH,TOPK,NODES; '' to skip")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
     params = SamplingParams(max_tokens=args.max_tokens)
     plain_llm = LLM(args.model, progress=False)
-    chain_llm = LLM(args.model, draft=args.draft, num_draft=args.draft_tokens, progress=False)
-    methods: dict[str, LLM] = {f"chain-{args.draft_tokens}": chain_llm}
+    methods: dict[str, LLM] = {
+        f"chain-{k}": LLM(args.model, draft=args.draft, num_draft=k, progress=False)
+        for k in args.draft_tokens
+    }
     if args.tree:
         d, k, n = (int(x) for x in args.tree.split(","))
         methods[f"tree-{args.tree}"] = LLM(
