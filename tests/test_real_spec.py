@@ -48,3 +48,33 @@ def test_greedy_speculative_equals_plain(llm: LLM, proposer_kind: str) -> None:
         assert b.finish_reason == a.finish_reason
     if proposer_kind == "oracle":
         assert all(o.stats.mean_accept_length > 3.0 for o in spec)
+
+
+def test_shipped_head_is_small_lossless_and_accepts(llm: LLM) -> None:
+    """The EAGLE-3 head shipped for SmolLM2 (heads/smollm2-135m): within the 25 MB budget, loads
+    against the real target sharing its embedding, decodes exactly as plain greedy decoding, in a
+    chain and in a tree, and accepts drafts (a random head stays at ~1.0 tokens per forward)."""
+    from eaglespec.config import TreeConfig
+    from eaglespec.draft.loader import load_eagle3
+    from eaglespec.heads import packaged_head
+
+    folder = packaged_head("smollm2-135m")
+    assert folder is not None
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 25e6
+    loaded = load_eagle3(folder, llm.model)
+    assert loaded.report.shared == ("embed_tokens",)
+    prompts = [llm.encode(p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=48)] * len(prompts)
+    plain = collect_outputs(generate_stream(llm.model, llm.tokenizer, prompts, params))
+    for tree in (None, TreeConfig(depth=4, top_k=4, num_nodes=16)):
+        proposer = Eagle3Proposer(loaded.head, loaded.capture)
+        spec = collect_outputs(
+            generate_speculative(
+                llm.model, proposer, llm.tokenizer, prompts, params, num_draft=4, tree=tree
+            )
+        )
+        for a, b in zip(plain, spec, strict=True):
+            assert b.token_ids == a.token_ids
+        rounds = sum(o.stats.rounds for o in spec)
+        accepted = sum(o.stats.accepted_tokens for o in spec)
+        assert (accepted + rounds) / rounds > 1.3
