@@ -54,14 +54,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     spec.add_argument(
         "--method",
         choices=METHODS,
-        help="eagle3 (the default when --draft is given or a head ships for the model), "
-        "draft-model, lookup, or none (plain)",
+        help="eagle3 (the default when --draft is given; alone, it uses the head shipped for "
+        "the model), draft-model, lookup, or none (plain, the default)",
     )
     spec.add_argument(
         "--draft",
         help="eagle3: an EAGLE-3 checkpoint folder, or 'random' (a seeded random head: exact "
         "output, little acceptance); draft-model: a model name or path; 'none': plain decoding. "
-        "Default: the EAGLE-3 head shipped for the model, if any (src/eaglespec/heads/)",
+        "With --method eagle3 and no --draft: the head shipped for the model (heads/)",
     )
     spec.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per round (chain)")
     spec.add_argument(
@@ -165,11 +165,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _method_and_draft(model: str, method: str | None, draft: str | None) -> tuple[str, str | None]:
-    """With neither --method nor --draft (or --method eagle3 alone), the EAGLE-3 head shipped
-    for the model drafts (heads/); --draft none, or no shipped head, decodes plainly."""
+    """`--method eagle3` without --draft drafts with the EAGLE-3 head shipped for the model
+    (heads/). With neither flag decoding stays plain: the shipped SmolLM2 head accepts 1.2-1.9
+    tokens per forward, which on a 2-core CPU runs at about half plain decoding's speed
+    (BENCHMARKS.md), so drafting is not the default until a head measurably pays."""
     if draft == "none":
         return method or "none", None
-    if draft is None and method in (None, "eagle3"):
+    if draft is None and method == "eagle3":
         head = packaged_head(model)
         if head is not None:
             return "eagle3", str(head)

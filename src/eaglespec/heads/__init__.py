@@ -1,6 +1,6 @@
 """EAGLE-3 heads that ship with the package, one folder per registry model they were trained for
-(native `LlamaForCausalLMEagle3` format, with a model card README.md). `eaglespec generate` drafts
-with the head of its target by default; `--draft none` decodes plainly.
+(native `LlamaForCausalLMEagle3` format, with a model card README.md). `eaglespec generate
+--method eagle3` without `--draft` drafts with the head of its target.
 """
 
 from __future__ import annotations
