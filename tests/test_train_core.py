@@ -488,3 +488,10 @@ def test_truncated_json_array_is_an_error(tmp_path: Path) -> None:
     path.write_text('[{"conversations": [{"from": "human", "value": "Hi"}]},\n {"conversa')
     with pytest.raises(InvalidRequestError, match="cut.json: not valid JSON"):
         read_conversations(path)
+
+
+def test_length_batches_docstring_example_and_row_cap() -> None:
+    from eaglespec.train.batching import length_batches
+
+    assert length_batches([5, 2, 3, 9], 8) == [[1, 2], [0], [3]]
+    assert length_batches([1] * 5, 100, max_rows=2) == [[0, 1], [2, 3], [4]]

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglespec.model.llama import Transformer
+from eaglespec.train.batching import length_batches
 from eaglespec.train.regen import Sample
 
 
@@ -110,7 +111,8 @@ def capture_features(
     for start in range(0, len(todo), shard_samples):
         group = todo[start : start + shard_samples]
         parts = []
-        for batch in _batches(group, batch_tokens):
+        for idx in length_batches([len(s.prompt) + len(s.response) for s in group], batch_tokens):
+            batch = [group[i] for i in idx]
             parts.extend(_capture_batch(model, batch, capture))
             if on_batch is not None:
                 on_batch(len(batch), sum(len(s.prompt) + len(s.response) for s in batch))
@@ -127,20 +129,6 @@ def load_shard_keys(path: Path) -> list[str]:
     with safe_open(str(path), "pt") as f:
         keys: list[str] = json.loads((f.metadata() or {})["keys"])
     return keys
-
-
-def _batches(samples: Sequence[Sample], batch_tokens: int) -> list[list[Sample]]:
-    out: list[list[Sample]] = []
-    cur: list[Sample] = []
-    for s in samples:  # sorted by length: the last row is the longest
-        n = len(s.prompt) + len(s.response)
-        if cur and (len(cur) + 1) * n > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        out.append(cur)
-    return out
 
 
 def _capture_batch(

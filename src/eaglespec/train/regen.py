@@ -25,6 +25,7 @@ from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs
 from eaglespec.tokenizer import Tokenizer
+from eaglespec.train.batching import length_batches
 from eaglespec.train.data import Conversation
 
 
@@ -147,19 +148,12 @@ def _context(
 def _batches(
     todo: list[tuple[str, list[int]]], cfg: RegenConfig
 ) -> list[list[tuple[str, list[int]]]]:
-    """Batches of similar prompt length under the token budget (prompt + new tokens per row)."""
-    todo = sorted(todo, key=lambda kv: len(kv[1]))
-    batches: list[list[tuple[str, list[int]]]] = []
-    cur: list[tuple[str, list[int]]] = []
-    for item in todo:
-        row = len(item[1]) + cfg.max_new_tokens
-        if cur and (len(cur) + 1 > cfg.max_batch or (len(cur) + 1) * row > cfg.batch_tokens):
-            batches.append(cur)
-            cur = []
-        cur.append(item)
-    if cur:
-        batches.append(cur)
-    # Run the batches in a seeded random order: any prefix of a run (a stopped one) is then a
-    # sample of the whole mix, not its shortest prompts.
+    """Batches of similar prompt length under the token budget (prompt + new tokens per row),
+    in a seeded random order: any prefix of a run (a stopped one) is then a sample of the whole
+    mix, not its shortest prompts."""
+    lengths = [len(ids) + cfg.max_new_tokens for _, ids in todo]
+    batches = [
+        [todo[i] for i in idx] for idx in length_batches(lengths, cfg.batch_tokens, cfg.max_batch)
+    ]
     random.Random(cfg.seed).shuffle(batches)
     return batches

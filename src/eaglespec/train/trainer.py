@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglespec.draft.eagle3 import Eagle3Head
+from eaglespec.train.batching import length_batches
 from eaglespec.train.features import FeatureShard
 from eaglespec.train.ttt import TTTBatch, ttt_forward
 from eaglespec.train.vocab import DraftVocab
@@ -112,21 +113,6 @@ def collate(
     )
 
 
-def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Sample indices sorted by length, cut so that rows * longest <= batch_tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -163,7 +149,7 @@ def train(
         module = nn.parallel.DistributedDataParallel(module)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    batches = make_batches([len(s.ids) for s in samples], cfg.batch_tokens)
+    batches = length_batches([len(s.ids) for s in samples], cfg.batch_tokens)
     total = cfg.epochs * len(batches)
     step = 0
     if checkpoint is not None and checkpoint.exists():
@@ -260,7 +246,7 @@ def evaluate(
     rows = target_head_rows(target_lm_head, vocab).to(device)
     t2d = vocab.t2d.to(device)
     totals = torch.zeros(3, cfg.ttt_steps)
-    for idx in make_batches([len(s.ids) for s in samples], cfg.batch_tokens):
+    for idx in length_batches([len(s.ids) for s in samples], cfg.batch_tokens):
         batch = collate([samples[i] for i in idx], rows, t2d, head.dtype, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype != "float32"):
             out = ttt_forward(head, batch, cfg.ttt_steps)
