@@ -61,7 +61,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--batch-tokens", type=int, default=8192, help="padded positions per step")
     g.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps")
     g.add_argument("--grad-clip", type=float, default=0.5)
-    g.add_argument("--train-dtype", default="bfloat16", help="autocast dtype; float32 = none")
+    g.add_argument(
+        "--train-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="autocast dtype; float32 = none",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu", help="cpu or cuda (runs under torchrun too)")
     g.add_argument("--threads", type=int, help="CPU threads")

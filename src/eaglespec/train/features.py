@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eaglespec.model.llama import Transformer
@@ -70,11 +71,7 @@ def save_shard(shard: FeatureShard, path: Path, capture: Sequence[int]) -> None:
 
 
 def load_shard(path: Path) -> FeatureShard:
-    from safetensors import safe_open
-
     t = load_file(str(path))
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
     return FeatureShard(
         ids=t["ids"].long(),
         aux=t["aux"],
@@ -82,7 +79,7 @@ def load_shard(path: Path) -> FeatureShard:
         top=t["top"].long(),
         loss_mask=t["loss_mask"].bool(),
         offsets=t["offsets"],
-        keys=json.loads(meta["keys"]),
+        keys=load_shard_keys(path),
     )
 
 
@@ -124,8 +121,6 @@ def capture_features(
 
 
 def load_shard_keys(path: Path) -> list[str]:
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as f:
         keys: list[str] = json.loads((f.metadata() or {})["keys"])
     return keys

@@ -33,7 +33,7 @@ from eaglespec.model.loader import LoadedModel, load_model, parse_dtype
 from eaglespec.registry import resolve_model
 from eaglespec.requests import collect_outputs
 from eaglespec.train.data import read_all, with_variants
-from eaglespec.train.features import FeatureShard, capture_features, load_shard
+from eaglespec.train.features import FeatureShard, capture_features, load_shard, shard_paths
 from eaglespec.train.regen import RegenConfig, Sample, read_samples, regenerate
 from eaglespec.train.trainer import StepStats, TrainConfig, evaluate, train, world
 from eaglespec.train.vocab import DraftVocab, build_draft_vocab
@@ -80,7 +80,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         device=cfg.device,
     )
     tcfg = target.config
-    capture = resolve_capture_layers(_probe_cfg(target), tcfg.num_layers, cfg.capture)
+    capture = resolve_capture_layers(DraftConfig.like_target(tcfg), tcfg.num_layers, cfg.capture)
     report["capture"] = list(capture)
 
     t = time.perf_counter()
@@ -132,7 +132,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         return _finish(cfg, report, times)
 
     t = time.perf_counter()
-    shards = [load_shard(p) for p in sorted((work / "features").glob("shard-*.safetensors"))]
+    shards = [load_shard(p) for p in shard_paths(work / "features")]
     by_key = {k: s.sample(i) for s in shards for i, k in enumerate(s.keys)}
     train_f = [by_key[s.key] for s in train_s if s.key in by_key]
     held_f = [by_key[s.key] for s in held_s if s.key in by_key]
@@ -280,10 +280,6 @@ def _epoch_eval(
             log(f"epoch {epoch} held-out: acc {m['acc'][:4]} proxy {m['accept_proxy']:.2f}")
 
     return on_epoch
-
-
-def _probe_cfg(target: LoadedModel) -> DraftConfig:
-    return DraftConfig.like_target(target.config)
 
 
 def _limited(cfg: PipelineConfig) -> list[Any]:

@@ -31,6 +31,8 @@ from eaglespec.train.features import FeatureShard
 from eaglespec.train.ttt import TTTBatch, ttt_forward
 from eaglespec.train.vocab import DraftVocab
 
+AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
@@ -45,13 +47,23 @@ class TrainConfig:
     ttt_steps: int = 7  # unrolled draft steps
     decay: float = 0.8  # step j's loss weight decay^j
     batch_tokens: int = 8192  # padded positions per global batch
-    dtype: str = "bfloat16"  # autocast dtype for the head's matmuls; "float32" = none
+    dtype: str = (
+        "bfloat16"  # autocast dtype for the head's matmuls: bfloat16, float16, float32 = none
+    )
     seed: int = 0
     checkpoint_every: int = 200  # steps; an epoch end always checkpoints
+
+    def autocast(self, device: torch.device) -> torch.autocast:
+        """The head's forward under `dtype` (no autocast for float32); train and evaluate alike."""
+        return torch.autocast(
+            device.type, dtype=AMP_DTYPES[self.dtype], enabled=self.dtype != "float32"
+        )
 
     def __post_init__(self) -> None:
         if self.schedule not in ("cosine", "linear"):
             raise ValueError(f"schedule must be cosine or linear, not {self.schedule!r}")
+        if self.dtype not in AMP_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(AMP_DTYPES)}, not {self.dtype!r}")
         if self.ttt_steps < 1 or self.epochs < 1 or self.batch_tokens < 1:
             raise ValueError("ttt_steps, epochs and batch_tokens must be positive")
 
@@ -160,8 +172,6 @@ def train(
     rows = target_head_rows(target_lm_head, vocab).to(device)
     t2d = vocab.t2d.to(device)
     weights = torch.tensor([cfg.decay**j for j in range(cfg.ttt_steps)], device=device)
-    autocast = cfg.dtype != "float32"
-    amp_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float16
     history: list[StepStats] = []
     module.train()
     while step < total:
@@ -177,7 +187,7 @@ def train(
         lr = lr_at(step, total, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
+        with cfg.autocast(device):
             out = module(batch)
         stats = torch.stack([out.counts, out.correct, out.chain]).float()  # (3, J)
         if size > 1:
@@ -248,7 +258,7 @@ def evaluate(
     totals = torch.zeros(3, cfg.ttt_steps)
     for idx in length_batches([len(s.ids) for s in samples], cfg.batch_tokens):
         batch = collate([samples[i] for i in idx], rows, t2d, head.dtype, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype != "float32"):
+        with cfg.autocast(device):
             out = ttt_forward(head, batch, cfg.ttt_steps)
         totals += torch.stack([out.counts, out.correct, out.chain]).float().cpu()
     counts = totals[0].clamp(min=1)
