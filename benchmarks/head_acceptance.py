@@ -71,13 +71,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[4], help="chain lengths")
     ap.add_argument("--tree", default="4,4,16", help="DEPTH,TOPK,NODES; '' to skip")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quant", default="none", help="none, int8 or int4 (target and head)")
+    ap.add_argument("--compile", default="none", help="none, block or full")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    engine = {"dtype": args.dtype, "quant": args.quant, "compile": args.compile}
 
     params = SamplingParams(max_tokens=args.max_tokens)
-    plain_llm = LLM(args.model, progress=False)
+    plain_llm = LLM(args.model, progress=False, **engine)
     methods: dict[str, LLM] = {
-        f"chain-{k}": LLM(args.model, draft=args.draft, num_draft=k, progress=False)
+        f"chain-{k}": LLM(args.model, draft=args.draft, num_draft=k, progress=False, **engine)
         for k in args.draft_tokens
     }
     if args.tree:
@@ -87,10 +91,11 @@ def main() -> None:
             draft=args.draft,
             tree=TreeConfig(depth=d, top_k=k, num_nodes=n),
             progress=False,
+            **engine,
         )
     warm = plain_llm.encode("Hello")
     for llm in (plain_llm, *methods.values()):
-        llm.generate([warm], SamplingParams(max_tokens=8))
+        llm.generate([warm], SamplingParams(max_tokens=24))  # compiles every step shape
     results: dict[str, Any] = {"config": vars(args) | {"out": str(args.out)}, "sets": {}}
     for path in args.questions:
         name = Path(path).stem.replace("_question", "")

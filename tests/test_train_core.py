@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eaglespec.cache import KVCache
 from eaglespec.config import SamplingParams
 from eaglespec.draft.config import default_capture
 from eaglespec.draft.eagle3 import Eagle3Head
@@ -295,7 +296,7 @@ def _inference_chain(head: Eagle3Head, batch: TTTBatch, p: int) -> list[torch.Te
     hidden = pre.prenorm[:, p : p + 1]  # (1, 1, C)
     for j in range(1, STEPS):
         # Autograd: write into a copy, not the buffer the earlier steps' attention has read.
-        cache.k, cache.v = cache.k.clone(), cache.v.clone()
+        cache = KVCache(k=cache.k.clone(), v=cache.v.clone(), lengths=list(cache.lengths))
         # Chain step j: the true x_{p+1+j} in place of the draft pick, at RoPE position p + j.
         step = head(ids[:, p + 1 + j : p + 2 + j], hidden, torch.tensor([[p + j]]), cache)
         cache.advance([1])

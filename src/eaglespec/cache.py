@@ -18,6 +18,12 @@ Entries past a row's length are scratch: never attended, overwritten by the next
 
 Lengths live on the host as plain ints: they decide slice bounds, and reading them from the device
 would cost a sync per step. Callers that learn counts on the device sync once to commit.
+
+A forward never reads the lengths itself: `plan(T, new_mask)` turns them into a `CachePlan` (the
+write slots as a tensor, the number of keys, the mask), built on the host before the forward, and
+the layers take one layer's cache tensors (`k_layers[l]`, views made once per cache) plus the plan.
+So the forward's tensor code sees no Python state that changes every step, and `torch.compile`
+can trace it once (model/llama.py).
 """
 
 from __future__ import annotations
@@ -28,11 +34,30 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """Where one forward's T new entries go and which keys each new token sees."""
+
+    slots: torch.Tensor  # (B, T) int64: row b writes its new entries to slots[b]
+    num_keys: int  # K = max(len) + T: attention reads slots [0, K) of every row
+    mask: torch.Tensor | None  # (B, 1, T, K) bool, or None (see `attention_mask`)
+    prefix_free: bool  # no committed entries and no mask: plain causal attention among the new
+
+
 @dataclass(slots=True)
 class KVCache:
     k: torch.Tensor  # (L, B, Hkv, S, D)
     v: torch.Tensor  # (L, B, Hkv, S, D)
     lengths: list[int]  # committed entries per row, host side
+    # Per-layer views k[l], v[l], each (B, Hkv, S, D): what the layers write and read.
+    k_layers: tuple[torch.Tensor, ...] = ()
+    v_layers: tuple[torch.Tensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        # select, not unbind: autograd forbids in-place writes to unbind's multi-output views
+        # (training backpropagates through cache writes, train/ttt.py's tests).
+        self.k_layers = tuple(self.k[i] for i in range(self.k.shape[0]))
+        self.v_layers = tuple(self.v[i] for i in range(self.v.shape[0]))
 
     @classmethod
     def allocate(
@@ -76,22 +101,20 @@ class KVCache:
         start = torch.tensor(self.lengths, device=self.k.device)[:, None]  # (B, 1)
         return start + torch.arange(num_new, device=self.k.device)
 
+    def plan(self, num_new: int, new_mask: torch.Tensor | None = None) -> CachePlan:
+        """The plan of a forward over `num_new` tokens (raises if they do not fit)."""
+        self.check_room(num_new)
+        return CachePlan(
+            slots=self.write_slots(num_new),
+            num_keys=max(self.lengths) + num_new,
+            mask=attention_mask(self.lengths, num_new, new_mask, self.k.device),
+            prefix_free=new_mask is None and max(self.lengths) == 0,
+        )
+
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """k_new, v_new (B, Hkv, T, D) written at each row's next T slots."""
-        T = k_new.shape[2]
-        if self.uniform:
-            start = self.lengths[0]
-            self.k[layer, :, :, start : start + T] = k_new
-            self.v[layer, :, :, start : start + T] = v_new
-            return
-        # Ragged rows: one index_put over (row, head, slot) broadcast to (B, Hkv, T).
-        B, Hkv = k_new.shape[:2]
-        dev = self.k.device
-        rows = torch.arange(B, device=dev)[:, None, None]
-        heads = torch.arange(Hkv, device=dev)[None, :, None]
-        slots = self.write_slots(T)[:, None, :]
-        self.k[layer].index_put_((rows, heads, slots), k_new)
-        self.v[layer].index_put_((rows, heads, slots), v_new)
+        slots = self.write_slots(k_new.shape[2])
+        write_entries(self.k_layers[layer], self.v_layers[layer], slots, k_new, v_new)
 
     def view(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first K slots of one layer: two (B, Hkv, K, D) views."""
@@ -137,6 +160,22 @@ class KVCache:
             picked = cache[:, rows, :, start + src]  # a copy, so overlapping src/dst is safe
             cache[:, rows, :, dst] = picked
         self.advance(counts)
+
+
+def write_entries(
+    k_cache: torch.Tensor,  # (B, Hkv, S, D) one layer's cache
+    v_cache: torch.Tensor,  # (B, Hkv, S, D)
+    slots: torch.Tensor,  # (B, T) int64
+    k_new: torch.Tensor,  # (B, Hkv, T, D)
+    v_new: torch.Tensor,  # (B, Hkv, T, D)
+) -> None:
+    """Row b's T new entries go to slots[b]: one index_put over (row, head, slot) each."""
+    B, Hkv = k_new.shape[:2]
+    rows = torch.arange(B, device=slots.device)[:, None, None]  # (B, 1, 1)
+    heads = torch.arange(Hkv, device=slots.device)[None, :, None]  # (1, Hkv, 1)
+    index = (rows, heads, slots[:, None, :])  # broadcast to (B, Hkv, T)
+    k_cache.index_put_(index, k_new)
+    v_cache.index_put_(index, v_new)
 
 
 def attention_mask(

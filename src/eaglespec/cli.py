@@ -16,6 +16,7 @@ from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.errors import EaglespecError, InvalidRequestError
 from eaglespec.heads import packaged_head
 from eaglespec.methods import METHODS
+from eaglespec.model.llama import COMPILE_MODES
 from eaglespec.model.quant import QUANT_MODES
 from eaglespec.registry import DEFAULT_MODEL, MODELS, list_models, pull
 from eaglespec.train.command import add_train_parser, cmd_train
@@ -43,10 +44,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "--quant",
         choices=QUANT_MODES,
         default="none",
-        help="weight-only quantization of the linear layers: int8 (CPU only) stores int8 "
-        "weights with per-channel scales and uses bf16 activations in each matmul (the kernel's "
-        "only fast input dtype); with --dtype float32 the inputs are cast to bf16 and back "
-        "around each matmul, the rest of the model stays fp32",
+        help="weight-only quantization of the linear layers (CPU only): int8 stores int8 "
+        "weights with per-channel scales; int4 stores 4-bit weights in groups of 32 (the output "
+        "head stays int8). Both use bf16 activations in each matmul (the kernels' only fast "
+        "input dtype); with --dtype float32 the inputs are cast to bf16 and back around each "
+        "matmul, the rest of the model stays fp32",
+    )
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="none",
+        help="torch.compile the decode and verify steps: block (each decoder block; compiles "
+        "in seconds) or full (the whole step; fastest, but a minute of compiling per run)",
     )
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -117,6 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         quant=args.quant,
+        compile=args.compile,
         progress=not args.json,
         method=method,
         draft=draft,

@@ -9,10 +9,11 @@ import torch
 
 from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer
+from eaglespec.draft.draft_model import DraftModelProposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.methods import make_proposer
-from eaglespec.model.llama import Transformer
+from eaglespec.model.llama import Transformer, check_compile_mode
 from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.registry import DEFAULT_MODEL, resolve_model
 from eaglespec.requests import RequestOutput, StreamEvent, collect_outputs
@@ -27,7 +28,11 @@ class LLM:
 
     `model` is a registry name (pulled on first use), a GGUF file or a Hugging Face folder.
     String prompts get the model's chat template when `chat=True` and the model has one.
-    `quant="int8"` stores the linear layers as int8 weights (CPU only; see model/quant.py).
+    `quant` "int8" / "int4" stores the linear layers as int8 / int4 weights (CPU only; see
+    model/quant.py), the target's and the draft's. `compile` "block" / "full" runs decode and
+    verification steps of the target (and of a draft model) through torch.compile
+    (`Transformer.compile_steps`): seconds to a minute of compiling on first use, then faster
+    steps.
     """
 
     def __init__(
@@ -37,6 +42,7 @@ class LLM:
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         quant: str = "none",
+        compile: str = "none",
         progress: bool = True,
         method: str | None = None,
         draft: str | None = None,
@@ -56,7 +62,13 @@ class LLM:
         self.method = method or ("eagle3" if draft else "none")
         self.num_draft = num_draft
         self.tree = tree
-        spec = make_proposer(self.method, draft, self.loaded, capture=capture, progress=progress)
+        check_compile_mode(compile)  # before the draft loads, not after
+        spec = make_proposer(
+            self.method, draft, self.loaded, capture=capture, quant=quant, progress=progress
+        )
+        self.loaded.model.compile_steps(compile)
+        if isinstance(spec.proposer, DraftModelProposer):
+            spec.proposer.model.compile_steps(compile)
         self.proposer: Proposer | None = spec.proposer
         self.draft_report = spec.report  # one line on the draft, "" for plain decoding
 

@@ -13,6 +13,7 @@ from eaglespec.draft.lookup import PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model.loader import LoadedModel, load_model
+from eaglespec.model.quant import quantize_model
 from eaglespec.registry import resolve_model
 
 METHODS = ("eagle3", "draft-model", "lookup", "none")
@@ -30,10 +31,12 @@ def make_proposer(
     target: LoadedModel,
     *,
     capture: Sequence[int] | None = None,
+    quant: str = "none",
     progress: bool = True,
 ) -> Speculation:
     """`draft` is an EAGLE-3 folder (or "random") for eagle3, a model name or path for
-    draft-model, unused for lookup."""
+    draft-model, unused for lookup. `quant` applies to the draft's own linear layers (an EAGLE-3
+    head's shared embedding and lm_head are the target's, quantized with it)."""
     if method not in METHODS:
         raise InvalidRequestError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
     if method == "none":
@@ -47,17 +50,18 @@ def make_proposer(
         )
     model = target.model
     if method == "draft-model":
-        small = load_model(resolve_model(draft, progress=progress), dtype=model.dtype)
+        small = load_model(resolve_model(draft, progress=progress), dtype=model.dtype, quant=quant)
         proposer = DraftModelProposer(small.model, target_vocab_size=model.cfg.vocab_size)
         params = sum(p.numel() for p in small.model.parameters())
         return Speculation(proposer, f"draft model {small.path.name} ({params / 1e6:.0f}M params)")
     if draft == "random":
         layers = tuple(capture) if capture else default_capture(model.cfg.num_layers)
-        head = random_eagle3(model, seed=0, capture=layers)
+        head = quantize_model(random_eagle3(model, seed=0, capture=layers), quant)
         return Speculation(
             Eagle3Proposer(head, layers), f"random EAGLE-3 head (seed 0), capture {layers}"
         )
     loaded = load_eagle3(draft, model, capture=capture)
+    quantize_model(loaded.head, quant)
     r = loaded.report
     shared = f", shares {' and '.join(r.shared)} ({r.shared_bytes / 1e6:.1f} MB saved)"
     line = (

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eaglespec.cache import KVCache, attention_mask
+from eaglespec.cache import CachePlan, KVCache
 from eaglespec.draft.config import DraftConfig
 from eaglespec.model.layers import (
     GatedMLP,
@@ -68,15 +68,15 @@ class DraftAttention(nn.Module):
         self,
         x: torch.Tensor,  # (B, T, in_dim)
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
-        cache: KVCache,
-        layer: int,
-        mask: torch.Tensor | None,  # (B, 1, T, K) or None
+        k_cache: torch.Tensor,  # (B, Hkv, S, D) this layer's cache
+        v_cache: torch.Tensor,
+        plan: CachePlan,
     ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
-        y: torch.Tensor = self.wo(cached_attention(qkv, rope, cache, layer, mask, H))
+        y: torch.Tensor = self.wo(cached_attention(qkv, rope, k_cache, v_cache, plan, H))
         return y
 
 
@@ -100,16 +100,15 @@ class MidLayer(nn.Module):
         g: torch.Tensor,  # (B, T, C) fused target features or the previous draft state
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache,
-        mask: torch.Tensor | None,
+        plan: CachePlan,
     ) -> torch.Tensor:
         x, residual = self.attn_input(emb, g)
-        return self.after_attn(residual, self.attn(x, rope, cache, 0, mask))
+        attn = self.attn(x, rope, cache.k_layers[0], cache.v_layers[0], plan)
+        return self.after_attn(residual, attn)
 
     # The two halves around attention, shared with training (train/ttt.py), whose attention
     # differs (the training-time-test mask over unrolled steps) but whose layer must not.
-    def attn_input(
-        self, emb: torch.Tensor, g: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attn_input(self, emb: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, C) embedding and hidden -> attention input (B, T, 2C), residual (B, T, C)."""
         h = self.hidden_norm(g)
         residual = h if self.norm_before_residual else g
@@ -139,9 +138,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # (B, T, C)
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache,
-        mask: torch.Tensor | None,
+        plan: CachePlan,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_layernorm(x), rope, cache, self.layer, mask)
+        k_cache, v_cache = cache.k_layers[self.layer], cache.v_layers[self.layer]
+        x = x + self.attn(self.input_layernorm(x), rope, k_cache, v_cache, plan)
         y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return y
 
@@ -260,12 +260,11 @@ class Eagle3Head(nn.Module):
         assert hidden.dtype == self.dtype, f"hidden is {hidden.dtype}, the head {self.dtype}"
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
         assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
-        cache.check_room(T)
-        mask = attention_mask(cache.lengths, T, attn_mask, self.device)
+        plan = cache.plan(T, attn_mask)
         rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
-        x = self.midlayer(self.embed(input_ids), hidden, rope, cache, mask)  # (B, T, C)
+        x = self.midlayer(self.embed(input_ids), hidden, rope, cache, plan)  # (B, T, C)
         for layer in self.extra_layers:
-            x = layer(x, rope, cache, mask)
+            x = layer(x, rope, cache, plan)
         if self.cfg.feed_normed and self.norm is not None:
             x = self.norm(x)  # the post-norm state feeds both lm_head and the next step
             final = None

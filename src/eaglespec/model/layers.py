@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglespec.cache import KVCache
+from eaglespec.cache import CachePlan, write_entries
 from eaglespec.config import RopeScaling
 
 
@@ -102,18 +102,40 @@ def attend(
     """q (B, H, T, D); k, v (B, Hkv, K, D); mask (B, 1, T, K) bool (True = attend) or None.
 
     `causal` is only valid when K == T (no cached prefix). GQA runs without repeating K/V.
+    Eager forwards call SDPA; a forward being compiled spells attention out (`attend_math`),
+    which inductor fuses into a few loops: SDPA's CPU kernel costs about 150 us per call for one
+    query over 100 keys on the development VM, more than the layer's matmuls.
     """
+    if torch.compiler.is_compiling() and not causal:
+        return attend_math(q, k, v, mask)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
+def attend_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), masked) v with fp32 scores, GQA by grouping the query heads.
+
+    q (B, H, T, D); k, v (B, Hkv, K, D); mask (B, 1, T, K) or None -> (B, H, T, D)."""
+    B, H, T, D = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * T, D)  # query heads h = kv * G + g share kv head kv
+    scores = (qg @ k.transpose(2, 3)).float() * D**-0.5  # (B, Hkv, G*T, K)
+    if mask is not None:
+        scores = scores.view(B, Hkv, G, T, K).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * T, K)
+    return (probs @ v).view(B, H, T, D)
+
+
 def cached_attention(
     qkv: torch.Tensor,  # (B, T, H + 2 Hkv, D): q, k, v heads (q, k normed if the model does)
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
-    cache: KVCache,
-    layer: int,
-    mask: torch.Tensor | None,  # (B, 1, T, K) or None
+    k_cache: torch.Tensor,  # (B, Hkv, S, D) this layer's cache
+    v_cache: torch.Tensor,  # (B, Hkv, S, D)
+    plan: CachePlan,
     num_heads: int,  # H
 ) -> torch.Tensor:
     """Rotate q and k (one pass over both), write k and v to the cache, attend. -> (B, T, H * D).
@@ -126,10 +148,10 @@ def cached_attention(
     q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
     k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
     v = qkv[:, :, H + Hkv :].transpose(1, 2)  # (B, Hkv, T, D)
-    cache.write(layer, k, v)
-    if mask is None and T > 1:
+    write_entries(k_cache, v_cache, plan.slots, k, v)
+    if plan.prefix_free and T > 1:
         out = attend(q, k, v, None, causal=True)  # no prefix: plain causal attention
     else:
-        k_all, v_all = cache.view(layer, max(cache.lengths) + T)  # (B, Hkv, K, D)
-        out = attend(q, k_all, v_all, mask, causal=False)
+        K = plan.num_keys
+        out = attend(q, k_cache[:, :, :K], v_cache[:, :, :K], plan.mask, causal=False)
     return out.transpose(1, 2).reshape(B, T, H * D)

@@ -1,4 +1,7 @@
-"""Weight-only int8 quantization of a model's linear layers, for weight-bandwidth-bound CPU decode.
+"""Weight-only quantization of a model's linear layers (int8 per channel, int4 per group), for
+weight-bandwidth-bound CPU decode.
+
+## int8
 
 Dims: M rows (B * T flattened), K in features, N out features.
 
@@ -30,9 +33,37 @@ Rows: the kernel's time grows about linearly with M (measured: about 2.7 ms more
 SmolLM2's 120 decoder matmuls; 170 ms at M = 64) while a dense fp32 GEMM barely grows (100 ms).
 Above `KERNEL_MAX_ROWS` rows (long prefills, big verify trees) the layer dequantizes the weight to
 fp32 and runs a dense fp32 matmul instead (same weight values, fp32 activations).
+
+## int4
+Group-wise asymmetric 4-bit codes, G = 32 consecutive input features per group (the block of
+GGUF's Q4_0/Q4_1/Q4_K formats), min-max per group, scale and zero rounded to bf16 first:
+
+    s[o, g] = bf16((max - min) / 15)           over w[o, g*G : (g+1)*G]   (1 where max == min)
+    q[o, i] = clamp(round((w[o, i] - min) / s[o, g]), 0, 15)
+    z[o, g] = bf16(min + 8 * s[o, g])
+    w[o, i] ≈ (q[o, i] - 8) * s[o, g] + z[o, g]   (the kernel's formula)
+
+A GGUF Q4_1 block stores w = d * q + m with q spanning 0..15, so min-max recovers d and m and the
+codes exactly; the only change from the file's weights is rounding d and m + 8d from fp16 to bf16.
+
+The matmul is `torch._weight_int4pack_mm_for_cpu` on codes packed by
+`torch._convert_weight_to_int4pack_for_cpu` ((N, K) int32 -> (N, K/2) uint8). Its requirements,
+checked here: N a multiple of 16, K a multiple of G, scales-and-zeros (K/G, N, 2) in the dtype
+of x. Like int8 it is vectorised for bf16 activations only (measured for SmolLM2's 121 decode
+matmuls: 5.3 ms with bf16 x, 122 ms with fp32 x), so the layer always runs it in bf16. Its cost
+grows with the rows M (SmolLM2, all 121 matmuls, weights cold in cache: 5.3 / 6.7 / 7.9 / 13.9 /
+27.8 ms at M = 1 / 2 / 4 / 8 / 16; int8 16.0 / 15.1 / 15.2 / 26.9 / 54.3; dense bf16 28.5 / 20.5
+/ 36.1 / 25.2 / 33.9), and it stays the faster choice up to M = 16, so there is no dense path.
+
+Every kernel here computes each row of x on its own: row b of a forward over M rows is bitwise
+equal to the same row alone (checked in tests), which keeps speculative verification of M tokens
+consistent with one-token decode steps.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +71,12 @@ from torch import nn
 
 from eaglespec.errors import InvalidRequestError
 
-QUANT_MODES = ("none", "int8")
+QUANT_MODES = ("none", "int8", "int4")
 KERNEL_DTYPE = torch.bfloat16  # the one activation dtype the CPU int8 kernel vectorises
 KERNEL_MAX_ROWS = 64  # above this many rows, dequantize + dense fp32 is faster (measured, M=64)
 K_MULTIPLE = 16  # the AVX-512 kernel's step over K
+INT4_GROUP = 32  # input features per int4 group (GGUF's Q4 block size)
+INT4_N_MULTIPLE = 16  # the int4 packing's block of output features
 _ALIGN = 32  # bytes: the AVX-512 kernel's aligned loads of x and the weight rows
 
 
@@ -56,8 +89,21 @@ def check_quant_mode(mode: str) -> str:
     return mode
 
 
+def _check_cpu(mode: str, weight: torch.Tensor) -> None:
+    if weight.device.type != "cpu":
+        raise InvalidRequestError(
+            f"{mode} quantization runs on CPU only, the weights are on "
+            f"'{weight.device.type}'; use --quant none on this device"
+        )
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t` contiguous with a 32-byte aligned start (a fresh allocation is 64-byte aligned)."""
+    """`t` contiguous with a 32-byte aligned start (a fresh allocation is 64-byte aligned).
+
+    Under torch.compile the address is not known while tracing: the copy is unconditional there
+    (one (M, K) activation copy, a few microseconds)."""
+    if torch.compiler.is_compiling():
+        return t.clone(memory_format=torch.contiguous_format)
     t = t.contiguous()
     return t if t.data_ptr() % _ALIGN == 0 else t.clone()
 
@@ -90,11 +136,7 @@ class Int8Linear(nn.Module):
                 f"int8 quantization needs in_features divisible by {K_MULTIPLE} "
                 f"(the CPU kernel's step), got a ({N}, {K}) weight"
             )
-        if weight.device.type != "cpu":
-            raise InvalidRequestError(
-                f"int8 quantization runs on CPU only, the weights are on "
-                f"'{weight.device.type}'; use --quant none on this device"
-            )
+        _check_cpu("int8", weight)
         self.in_features, self.out_features = K, N
         self.register_buffer("weight", _aligned(weight))
         self.register_buffer("scales", scales.contiguous())
@@ -134,19 +176,131 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
-def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+class Int4Linear(nn.Module):
+    """y = x @ w.T + b with w[o, i] = (q[o, i] - 8) * s[o, i // G] + z[o, i // G] (module doc)."""
+
+    weight: torch.Tensor  # (N, K/2) uint8: the codes q, packed by the kernel's converter
+    scales_zeros: torch.Tensor  # (K/G, N, 2) bf16: [..., 0] = s, [..., 1] = z
+    bias: torch.Tensor | None  # (N,) in the model's dtype, added after the matmul
+
+    def __init__(
+        self,
+        # (N, K) int32 codes in [0, 15]
+        codes: torch.Tensor,
+        # (K/G, N, 2) bf16
+        scales_zeros: torch.Tensor,
+        # (N,) or None
+        bias: torch.Tensor | None = None,
+        group_size: int = INT4_GROUP,
+    ) -> None:
+        super().__init__()
+        N, K = codes.shape
+        _check_int4_shape(N, K, group_size)
+        _check_cpu("int4", codes)
+        assert scales_zeros.shape == (K // group_size, N, 2), (
+            f"scales_zeros {tuple(scales_zeros.shape)} != {(K // group_size, N, 2)}"
+        )
+        assert scales_zeros.dtype == KERNEL_DTYPE
+        assert bias is None or bias.shape == (N,), f"bias {tuple(bias.shape)} != ({N},)"
+        self.in_features, self.out_features, self.group_size = K, N, group_size
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        self.register_buffer("weight", packed)  # (N, K/2) uint8
+        self.register_buffer("scales_zeros", scales_zeros.contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP) -> Int4Linear:
+        """Quantize a dense layer's weight (in whatever dtype it holds) as the module doc says."""
+        w = linear.weight.detach().float()  # (N, K)
+        N, K = w.shape
+        _check_int4_shape(N, K, group_size)
+        wg = w.view(N, K // group_size, group_size)  # (N, K/G, G)
+        lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/G)
+        s = torch.where(hi > lo, (hi - lo) / 15, 1.0).to(KERNEL_DTYPE).float()  # (N, K/G)
+        q = ((wg - lo[..., None]) / s[..., None]).round_().clamp_(0, 15)  # (N, K/G, G)
+        z = lo + 8 * s  # (N, K/G)
+        sz = torch.stack((s, z), -1).transpose(0, 1).to(KERNEL_DTYPE)  # (K/G, N, 2)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q.view(N, K).to(torch.int32), sz, bias, group_size)
+
+    def codes(self) -> torch.Tensor:
+        """(N, K) int64 codes q, read back through the kernel (the packed layout is its own)."""
+        K, G = self.in_features, self.group_size
+        eye = torch.eye(K, dtype=KERNEL_DTYPE)  # (K, K)
+        # Row i of eye @ w.T is column i of w, rounded once to bf16: off by at most 2^-9 of
+        # |w| <= 8 s + |z|, well inside half a step s / 2 for any group this class builds.
+        cols = torch._weight_int4pack_mm_for_cpu(eye, self.weight, G, self.scales_zeros)  # (K, N)
+        s, z = self._expanded()  # (N, K) each
+        return ((cols.float().T - z) / s + 8).round().long()
+
+    def _expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """s and z broadcast to (N, K) fp32."""
+        sz = self.scales_zeros.float().transpose(0, 1)  # (N, K/G, 2)
+        G = self.group_size
+        return sz[..., 0].repeat_interleave(G, 1), sz[..., 1].repeat_interleave(G, 1)
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) fp32: (q - 8) * s + z, the weight the kernel multiplies by."""
+        s, z = self._expanded()
+        return (self.codes() - 8).float() * s + z
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x (..., K) -> (..., N) in x's dtype
+        *lead, K = x.shape
+        assert self.in_features == K, f"input has {K} features, layer expects {self.in_features}"
+        x2 = x.reshape(-1, K).to(KERNEL_DTYPE).contiguous()  # (M, K)
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_zeros)
+        y = y.to(x.dtype)  # (M, N): no-op for bf16 models
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, bias={bias}"
+        )
+
+
+def _check_int4_shape(N: int, K: int, group_size: int) -> None:
+    if K % group_size or N % INT4_N_MULTIPLE:
+        raise InvalidRequestError(
+            f"int4 quantization needs in_features divisible by {group_size} (the group) and "
+            f"out_features divisible by {INT4_N_MULTIPLE} (the kernel's packing), got a "
+            f"({N}, {K}) weight; use --quant int8"
+        )
+
+
+# mode -> (body layers, output head). int4 keeps the head (the lm_head, named "lm_head" in the
+# target and in EAGLE-3 heads) at int8: its logits decide every token, its rows are quantized more
+# finely in GGUF files (SmolLM2's Q4_1 file stores it as Q8_0, which per-channel int8 all but
+# reproduces), and int4 there changed SmolLM2's first greedy token on the story prompt.
+_LAYERS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear], nn.Module]]] = {
+    "int8": (Int8Linear.from_linear, Int8Linear.from_linear),
+    "int4": (Int4Linear.from_linear, Int8Linear.from_linear),
+}
+HEAD_NAME = "lm_head"
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def quantize_model(model: M, mode: str) -> M:
     """Replace every `nn.Linear` of `model` in place by a quantized layer; return `model`.
 
     In a `Transformer` these are each layer's wqkv, wo, w13, w2 and the lm_head (121 layers for
     SmolLM2); the embedding is an `nn.Embedding` and stays as it is. A tied lm_head shares its
     weight with the embedding: the head gets quantized codes of its own and the embedding keeps
     the dense tensor, so token lookups are unchanged. A module reachable under several names is
-    quantized once and shared again. mode "none" returns the model untouched.
+    quantized once and shared again. mode "none" returns the model untouched; "int8" makes every
+    layer int8; "int4" makes every layer int4 except the output head (`lm_head`), which is int8.
     """
     check_quant_mode(mode)
     if mode == "none":
         return model
-    replaced: dict[int, Int8Linear] = {}  # id(old Linear) -> its quantized layer
+    make_body, make_head = _LAYERS[mode]
+    replaced: dict[int, nn.Module] = {}  # id(old Linear) -> its quantized layer
     # `_modules` rather than `named_children()`, which hides a second name for the same child.
     targets = [
         (parent, child_name, child)
@@ -156,6 +310,7 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     ]
     for parent, child_name, child in targets:
         if id(child) not in replaced:
-            replaced[id(child)] = Int8Linear.from_linear(child)
+            make = make_head if child_name == HEAD_NAME else make_body
+            replaced[id(child)] = make(child)
         setattr(parent, child_name, replaced[id(child)])
     return model
