@@ -3,6 +3,7 @@ EAGLE-3 draft step, on this machine.
 
     python benchmarks/verify_cost.py [--model smollm2-135m] [--dtype float32] [--prefix 128]
                                      [--sizes 1 2 4 8 16 32 64] [--repeats 15]
+                                     [--quant none|int8|int4] [--compile none|block|full]
 
 Speculative decoding pays when verifying T tokens costs little more than decoding one: the
 speedup is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size
@@ -39,9 +40,11 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=128)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--quant", default="none")
+    ap.add_argument("--compile", default="none")
     args = ap.parse_args()
 
-    llm = LLM(args.model, dtype=args.dtype, progress=False)
+    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, compile=args.compile, progress=False)
     model = llm.model
     L = model.cfg.num_layers
     capture = (2, L // 2, L - 3)
@@ -50,7 +53,10 @@ def main() -> None:
     cache = model.new_cache(1, args.prefix + max(args.sizes) + 1)
     head = random_eagle3(model, seed=0)
     draft_cache = head.new_cache(1, args.prefix + max(args.sizes) + 1)
-    print(f"{args.model} {args.dtype}, prefix {args.prefix}, threads {torch.get_num_threads()}")
+    print(
+        f"{args.model} {args.dtype} quant {args.quant} compile {args.compile}, "
+        f"prefix {args.prefix}, threads {torch.get_num_threads()}"
+    )
     with torch.inference_mode():
         out = model(prefix, torch.arange(args.prefix)[None], cache, capture=capture)
         cache.advance([args.prefix])
