@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from eaglespec.cli import main
 
 
@@ -49,3 +51,18 @@ def test_method_eagle3_alone_uses_the_shipped_head(tiny_hf_folder: Path) -> None
     assert _method_and_draft("smollm2-135m", None, "none") == ("none", None)
     assert _method_and_draft("smollm2-135m", "lookup", None) == ("lookup", None)
     assert _method_and_draft(str(tiny_hf_folder), None, None) == ("none", None)
+
+
+@pytest.mark.parametrize("command", ["train", "export"])
+def test_capture_that_is_not_integers_names_the_flag(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Parsed before anything loads: a clear one-line error, nothing written.
+    out = tmp_path / "out"
+    args = {
+        "train": ["train", "--data", str(tmp_path / "d.jsonl"), "--out", str(out)],
+        "export": ["export", str(tmp_path), "--target", "smollm2-135m", "--out", str(out)],
+    }[command]
+    assert main([*args, "--capture", "2,x,27"]) == 2
+    assert "--capture takes comma-separated integers, got '2,x,27'" in capsys.readouterr().err
+    assert not out.exists()

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from eaglespec.cliargs import int_list
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.errors import EaglespecError, InvalidRequestError
 from eaglespec.heads import packaged_head
@@ -132,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft=draft,
         num_draft=args.draft_tokens,
         tree=_tree(args.tree),
-        capture=_ints(args.capture, "--capture") if args.capture else None,
+        capture=int_list(args.capture, "--capture") if args.capture else None,
     )
     if llm.draft_report and not args.json:
         print(f"[{llm.method}: {llm.draft_report}]", file=sys.stderr)
@@ -188,17 +189,10 @@ def _method_and_draft(model: str, method: str | None, draft: str | None) -> tupl
     return method or ("eagle3" if draft else "none"), draft
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise InvalidRequestError(f"{flag} takes comma-separated integers, got '{text}'") from None
-
-
 def _tree(text: str | None) -> TreeConfig | None:
     if text is None:
         return None
-    values = _ints(text, "--tree")
+    values = int_list(text, "--tree")
     if len(values) != 3:
         raise InvalidRequestError(f"--tree takes DEPTH,TOPK,NODES, got '{text}'")
     return TreeConfig(depth=values[0], top_k=values[1], num_nodes=values[2])

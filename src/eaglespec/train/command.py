@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from eaglespec.cliargs import int_list
 from eaglespec.errors import InvalidRequestError
 from eaglespec.registry import DEFAULT_MODEL
 from eaglespec.train.pipeline import STAGES, PipelineConfig, run
@@ -96,7 +97,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             seed=args.seed,
         ),
         draft_vocab=args.draft_vocab,
-        capture=tuple(int(x) for x in args.capture.split(",")) if args.capture else None,
+        capture=tuple(int_list(args.capture, "--capture")) if args.capture else None,
         target_dtype=args.target_dtype,
         device=args.device,
         heldout=args.heldout,

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eaglespec.cliargs import int_list
 from eaglespec.draft.config import DraftConfig
 from eaglespec.draft.loader import load_eagle3, save_eagle3
 from eaglespec.errors import (
@@ -256,16 +257,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    capture = _ints(args.capture, "--capture") if args.capture else None
+    capture = int_list(args.capture, "--capture") if args.capture else None
     report = export_head(args.draft, args.target, args.out, dtype=args.dtype, capture=capture)
     print(report.line())
     for note in report.notes:
         print(f"eaglespec: note: {note}", file=sys.stderr)
     return 0
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise InvalidRequestError(f"{flag} takes comma-separated integers, got '{text}'") from None
