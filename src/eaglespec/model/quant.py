@@ -108,12 +108,33 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGN == 0 else t.clone()
 
 
-class Int8Linear(nn.Module):
+class _QuantLinear(nn.Module):
+    """What the quantized layers share: (..., K) -> (M, K) rows for the kernel, then the model's
+    dtype, the bias and the caller's shape back. Subclasses supply `_matmul`."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None  # (N,) in the model's dtype, added after the matmul
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) rows in the model's dtype -> (M, N) in any float dtype."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x (..., K) -> (..., N) in x's dtype
+        *lead, K = x.shape
+        assert self.in_features == K, f"input has {K} features, layer expects {self.in_features}"
+        y = self._matmul(x.reshape(-1, K)).to(x.dtype)  # (M, N): no-op for bf16 models
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+
+class Int8Linear(_QuantLinear):
     """y = x @ (s * q).T + b with int8 codes q (N, K), bf16 scales s (N,), optional bias b (N,)."""
 
     weight: torch.Tensor  # (N, K) int8 codes q
     scales: torch.Tensor  # (N,) bf16 per-output-channel scales s
-    bias: torch.Tensor | None  # (N,) in the model's dtype, added after the matmul
 
     def __init__(
         self,
@@ -157,31 +178,21 @@ class Int8Linear(nn.Module):
         """(N, K) fp32: exactly the weight the kernel multiplies by (s and q widened to fp32)."""
         return self.weight.float() * self.scales.float()[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x (..., K) -> (..., N) in x's dtype
-        *lead, K = x.shape
-        assert self.in_features == K, f"input has {K} features, layer expects {self.in_features}"
-        x2 = x.reshape(-1, K)  # (M, K)
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if x2.shape[0] > KERNEL_MAX_ROWS:
-            y = F.linear(x2.float(), self.dequantize()).to(x.dtype)  # (M, N)
-        else:
-            y = torch._weight_int8pack_mm(_aligned(x2.to(KERNEL_DTYPE)), self.weight, self.scales)
-            y = y.to(x.dtype)  # (M, N): no-op for bf16 models
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, self.out_features)
+            return F.linear(x2.float(), self.dequantize())  # (M, N) fp32
+        return torch._weight_int8pack_mm(_aligned(x2.to(KERNEL_DTYPE)), self.weight, self.scales)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantLinear):
     """y = x @ w.T + b with w[o, i] = (q[o, i] - 8) * s[o, i // G] + z[o, i // G] (module doc)."""
 
     weight: torch.Tensor  # (N, K/2) uint8: the codes q, packed by the kernel's converter
     scales_zeros: torch.Tensor  # (K/G, N, 2) bf16: [..., 0] = s, [..., 1] = z
-    bias: torch.Tensor | None  # (N,) in the model's dtype, added after the matmul
 
     def __init__(
         self,
@@ -244,16 +255,10 @@ class Int4Linear(nn.Module):
         s, z = self._expanded()
         return (self.codes() - 8).float() * s + z
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x (..., K) -> (..., N) in x's dtype
-        *lead, K = x.shape
-        assert self.in_features == K, f"input has {K} features, layer expects {self.in_features}"
-        x2 = x.reshape(-1, K).to(KERNEL_DTYPE).contiguous()  # (M, K)
-        y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_zeros)
-        y = y.to(x.dtype)  # (M, N): no-op for bf16 models
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, self.out_features)
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        xb = x2.to(KERNEL_DTYPE).contiguous()  # (M, K)
+        G, sz = self.group_size, self.scales_zeros
+        return torch._weight_int4pack_mm_for_cpu(xb, self.weight, G, sz)  # (M, N) bf16
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
