@@ -20,7 +20,7 @@ Lengths live on the host as plain ints: they decide slice bounds, and reading th
 would cost a sync per step. Callers that learn counts on the device sync once to commit.
 
 A forward never reads the lengths itself: `plan(T, new_mask)` turns them into a `CachePlan` (the
-write slots as a tensor, the number of keys, the mask), built on the host before the forward, and
+write index as tensors, the number of keys, the mask), built on the host before the forward, and
 the layers take one layer's cache tensors (`k_layers[l]`, views made once per cache) plus the plan.
 So the forward's tensor code sees no Python state that changes every step, and `torch.compile`
 can trace it once (model/llama.py).
@@ -38,7 +38,9 @@ import torch
 class CachePlan:
     """Where one forward's T new entries go and which keys each new token sees."""
 
-    slots: torch.Tensor  # (B, T) int64: row b writes its new entries to slots[b]
+    # Row b writes its T new entries to slots[b]: the (row, head, slot) index of one index_put,
+    # shapes (B, 1, 1), (1, Hkv, 1), (B, 1, T), built once per forward for all layers.
+    write_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     num_keys: int  # K = max(len) + T: attention reads slots [0, K) of every row
     mask: torch.Tensor | None  # (B, 1, T, K) bool, or None (see `attention_mask`)
     prefix_free: bool  # no committed entries and no mask: plain causal attention among the new
@@ -105,7 +107,7 @@ class KVCache:
         """The plan of a forward over `num_new` tokens (raises if they do not fit)."""
         self.check_room(num_new)
         return CachePlan(
-            slots=self.write_slots(num_new),
+            write_index=self._write_index(num_new),
             num_keys=max(self.lengths) + num_new,
             mask=attention_mask(self.lengths, num_new, new_mask, self.k.device),
             prefix_free=new_mask is None and max(self.lengths) == 0,
@@ -113,8 +115,15 @@ class KVCache:
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """k_new, v_new (B, Hkv, T, D) written at each row's next T slots."""
-        slots = self.write_slots(k_new.shape[2])
-        write_entries(self.k_layers[layer], self.v_layers[layer], slots, k_new, v_new)
+        index = self._write_index(k_new.shape[2])
+        write_entries(self.k_layers[layer], self.v_layers[layer], index, k_new, v_new)
+
+    def _write_index(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, head, slot) index tensors that broadcast to (B, Hkv, T) (`CachePlan`)."""
+        B, Hkv, dev = self.batch, self.k.shape[2], self.k.device
+        rows = torch.arange(B, device=dev)[:, None, None]  # (B, 1, 1)
+        heads = torch.arange(Hkv, device=dev)[None, :, None]  # (1, Hkv, 1)
+        return rows, heads, self.write_slots(num_new)[:, None, :]  # slots (B, 1, T)
 
     def view(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first K slots of one layer: two (B, Hkv, K, D) views."""
@@ -165,15 +174,11 @@ class KVCache:
 def write_entries(
     k_cache: torch.Tensor,  # (B, Hkv, S, D) one layer's cache
     v_cache: torch.Tensor,  # (B, Hkv, S, D)
-    slots: torch.Tensor,  # (B, T) int64
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # CachePlan.write_index
     k_new: torch.Tensor,  # (B, Hkv, T, D)
     v_new: torch.Tensor,  # (B, Hkv, T, D)
 ) -> None:
-    """Row b's T new entries go to slots[b]: one index_put over (row, head, slot) each."""
-    B, Hkv = k_new.shape[:2]
-    rows = torch.arange(B, device=slots.device)[:, None, None]  # (B, 1, 1)
-    heads = torch.arange(Hkv, device=slots.device)[None, :, None]  # (1, Hkv, 1)
-    index = (rows, heads, slots[:, None, :])  # broadcast to (B, Hkv, T)
+    """Row b's T new entries go to its slots: one index_put over (row, head, slot) each."""
     k_cache.index_put_(index, k_new)
     v_cache.index_put_(index, v_new)
 

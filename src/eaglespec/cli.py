@@ -56,7 +56,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         choices=COMPILE_MODES,
         default="none",
         help="torch.compile the decode and verify steps: block (each decoder block; compiles "
-        "in seconds) or full (the whole step; fastest, but a minute of compiling per run)",
+        "in seconds) or full (the whole step; fastest, but 1-2 minutes of compiling per run)",
     )
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")

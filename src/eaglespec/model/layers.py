@@ -148,7 +148,7 @@ def cached_attention(
     q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
     k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
     v = qkv[:, :, H + Hkv :].transpose(1, 2)  # (B, Hkv, T, D)
-    write_entries(k_cache, v_cache, plan.slots, k, v)
+    write_entries(k_cache, v_cache, plan.write_index, k, v)
     if plan.prefix_free and T > 1:
         out = attend(q, k, v, None, causal=True)  # no prefix: plain causal attention
     else:
