@@ -64,6 +64,33 @@ class RoundOutput:
     drafted: int  # draft positions this round: chain length or tree depth
     accepted: list[int]  # draft tokens accepted, per row
     tokens: list[list[int]]  # per row: the accepted draft tokens, then the next root
+    draft_seconds: float  # proposing, plus the draft's catch-up after verification
+    verify_seconds: float  # the target's forward, verification and the round's host sync
+
+
+class PhaseClock:
+    """Wall time of a round's phases without extra host syncs: CUDA events on a GPU, read after
+    the round's own sync; `perf_counter` on a CPU, where every op has finished when it returns."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks; call after a host sync covering the last mark."""
+        m = self.marks
+        if self.cuda:
+            m[-1].synchronize()  # no-op wait: the round's sync already passed this event
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:], strict=False)]
+        return [b - a for a, b in zip(m, m[1:], strict=False)]
 
 
 def generate_speculative(
@@ -107,7 +134,9 @@ def generate_speculative(
         now = time.perf_counter()
         keep = []
         for row, seq in enumerate(active):
-            seq.out.stats.record_round(result.drafted, result.accepted[row])
+            seq.out.stats.record_round(
+                result.drafted, result.accepted[row], result.draft_seconds, result.verify_seconds
+            )
             account_time(seq.out.stats, start, now)
             event = _emit(seq, result.tokens[row], eos, limit)
             yield event
@@ -148,6 +177,8 @@ def speculate_round(
     tree: TreeConfig | None,
 ) -> RoundOutput:
     """Propose, verify in one target forward, commit both caches; updates `batch` in place."""
+    clock = PhaseClock(batch.roots.device)
+    clock.mark()
     room = capacity - max(batch.cache.lengths) - 1
     if tree is not None and isinstance(proposer, TreeProposer) and room >= tree.num_nodes:
         drafted = proposer.propose_tree(batch.draft, batch.roots, tree)
@@ -155,6 +186,7 @@ def speculate_round(
         k = max(0, min(num_draft, room))
         roots = batch.roots
         drafted = chain_tree(roots, proposer.propose(batch.draft, k) if k else roots[:, :0])
+    clock.mark()
     prefix = torch.tensor(batch.cache.lengths, device=batch.roots.device)
     out: ForwardOutput = target(
         drafted.tokens,
@@ -167,12 +199,15 @@ def speculate_round(
     path_tokens = torch.gather(drafted.tokens, 1, result.path.clamp(min=0))  # (B, D + 1)
     host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
     rows = host.tolist()  # sync: the round's tokens, once for all rows
+    clock.mark()
     accepted = [r[0] for r in rows]
     batch.cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
     batch.draft = _catch_up(proposer, batch.draft, out, result, path_tokens, accepted)
     batch.roots = result.next_token
     tokens = [r[3 : 3 + r[0]] + [r[1]] for r in rows]
-    return RoundOutput(drafted.max_depth, accepted, tokens)
+    clock.mark()
+    propose, verify, catch_up = clock.spans()
+    return RoundOutput(drafted.max_depth, accepted, tokens, propose + catch_up, verify)
 
 
 def _arange_rows(ids: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,8 @@ class GenerationStats:
     draft_tokens: int = 0  # draft tokens proposed over all rounds
     accepted_by_position: list[int] = field(default_factory=list)  # [j]: rounds accepting >= j+1
     proposed_by_position: list[int] = field(default_factory=list)  # [j]: rounds proposing >= j+1
+    draft_seconds: float = 0.0  # of decode_seconds: drafting and the draft's catch-up
+    verify_seconds: float = 0.0  # of decode_seconds: target forwards, verification, host syncs
 
     @property
     def tokens_per_second(self) -> float:
@@ -45,8 +47,12 @@ class GenerationStats:
             for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=True)
         ]
 
-    def record_round(self, proposed: int, accepted: int) -> None:
+    def record_round(
+        self, proposed: int, accepted: int, draft_seconds: float = 0.0, verify_seconds: float = 0.0
+    ) -> None:
         self.rounds += 1
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
         self.draft_tokens += proposed
         self.accepted_tokens += accepted
         grow = proposed - len(self.proposed_by_position)
