@@ -41,6 +41,9 @@ class OracleProposer:
     def select_rows(self, state, rows):
         return {key: [state[key][r] for r in rows] for key in state}
 
+    def concat(self, states):
+        return {key: [x for s in states for x in s[key]] for key in states[0]}
+
     def propose_tree(self, state, roots, shape) -> DraftTree:
         """A ladder: at every depth a wrong sibling first, then the right token, whose children are
         the next rung. Accepted paths skip every other node, so the target cache must gather

@@ -151,6 +151,26 @@ class KVCache:
             lengths=[self.lengths[r] for r in rows],
         )
 
+    @classmethod
+    def concat(cls, parts: Sequence[KVCache]) -> KVCache:
+        """One cache holding the rows of `parts` in order (new sequences joining a running batch),
+        with the largest capacity among them. Only committed slots are copied; the rest is zeros,
+        so scratch never holds garbage (a NaN there would poison attention's zero weights)."""
+        first = parts[0]
+        L, _, Hkv, _, D = first.k.shape
+        capacity = max(c.capacity for c in parts)
+        batch = sum(c.batch for c in parts)
+        shape = (L, batch, Hkv, capacity, D)
+        k = torch.zeros(shape, dtype=first.k.dtype, device=first.k.device)
+        v = torch.zeros_like(k)
+        row = 0
+        for c in parts:
+            n = max(c.lengths)
+            k[:, row : row + c.batch, :, :n] = c.k[:, :, :, :n]
+            v[:, row : row + c.batch, :, :n] = c.v[:, :, :, :n]
+            row += c.batch
+        return cls(k=k, v=v, lengths=[n for c in parts for n in c.lengths])
+
     def keep(self, src: torch.Tensor, counts: Sequence[int]) -> None:
         """Gather-by-index commit: row b keeps new entries src[b, :counts[b]] (offsets from len_b,
         increasing), moved to slots len_b .. len_b + counts[b] - 1.

@@ -13,7 +13,7 @@ Rows accept different numbers of tokens; caches and positions are per row throug
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,17 @@ class SpecBatch:
             [self.generators[r] for r in rows],
         )
 
+    @staticmethod
+    def concat(proposer: Proposer, parts: Sequence[SpecBatch]) -> SpecBatch:
+        """The rows of `parts` in order: sequences joining a running batch."""
+        return SpecBatch(
+            KVCache.concat([p.cache for p in parts]),
+            proposer.concat([p.draft for p in parts]),
+            torch.cat([p.roots for p in parts]),
+            SamplingTensors.concat([p.st for p in parts]),
+            [g for p in parts for g in p.generators],
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class RoundOutput:
@@ -66,6 +77,15 @@ class RoundOutput:
     tokens: list[list[int]]  # per row: the accepted draft tokens, then the next root
     draft_seconds: float  # proposing, plus the draft's catch-up after verification
     verify_seconds: float  # the target's forward, verification and the round's host sync
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """What `BatchRunner.round` hands back: the rows' events and the round's own figures."""
+
+    events: list[StreamEvent]  # one per row that took part, in row order
+    output: RoundOutput
+    seconds: float  # the round's wall time
 
 
 class PhaseClock:
@@ -78,7 +98,7 @@ class PhaseClock:
 
     def mark(self) -> None:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             self.marks.append(event)
         else:
@@ -105,43 +125,117 @@ def generate_speculative(
 ) -> Iterator[StreamEvent]:
     """Like `generate.generate_stream`, with a chain of k = num_draft draft tokens per round, or
     an EAGLE-2 dynamic tree of `tree.num_nodes` tokens when `tree` is given."""
+    check_speculation(proposer, params, tree)
+    runner = BatchRunner(target, proposer, tokenizer, max_draft=draft_width(num_draft, tree))
+    yield from runner.join(prompts, params, range(len(prompts)))
+    while runner.seqs:
+        yield from runner.round(num_draft, tree).events
+
+
+def check_speculation(
+    proposer: Proposer, params: Sequence[SamplingParams], tree: TreeConfig | None
+) -> None:
     if any(p.repetition_penalty != 1 for p in params):
         raise InvalidRequestError("repetition_penalty is not supported with speculative decoding")
-    if tree is not None:
-        if not isinstance(proposer, TreeProposer):
-            raise InvalidRequestError("tree drafting needs an EAGLE-3 head (--method eagle3)")
-        num_draft = tree.num_nodes
-    limit, device = target.cfg.context_limit, target.device
-    seqs = new_states(prompts, params, tokenizer, limit, device)
-    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
-    capacity = min(limit, longest + num_draft + 1)
-    eos = set(tokenizer.eos_ids)
-    start = time.perf_counter()
-    batch = start_batch(target, proposer, prompts, params, seqs, capacity)
-    first = batch.roots.tolist()  # sync: the first token of every row
-    now = time.perf_counter()
-    active, keep = seqs, []
-    for row, seq in enumerate(seqs):
-        account_time(seq.out.stats, start, now)
-        event = _emit(seq, [first[row]], eos, limit)
-        yield event
-        if event.output is None:
-            keep.append(row)
-    while keep:
-        if len(keep) < len(active):
-            active, batch = [active[r] for r in keep], batch.select(proposer, keep)
-        result = speculate_round(target, proposer, batch, capacity, num_draft, tree)
+    if tree is not None and not isinstance(proposer, TreeProposer):
+        raise InvalidRequestError("tree drafting needs an EAGLE-3 head (--method eagle3)")
+
+
+def draft_width(num_draft: int, tree: TreeConfig | None) -> int:
+    """Draft tokens a round verifies at most: the chain length, or the tree's node count."""
+    return max(num_draft, tree.num_nodes if tree is not None else 0)
+
+
+class BatchRunner:
+    """The sequences decoding together. New ones join between rounds (one ragged prefill for all
+    newcomers, then their rows are appended), finished or cancelled ones leave; each round drafts
+    and verifies for every row at once. Generation of a fixed batch and the server's continuous
+    batching both run on it.
+
+    `max_draft` bounds the draft tokens of any round (cache room reserved per row)."""
+
+    def __init__(
+        self, target: Transformer, proposer: Proposer, tokenizer: Tokenizer, *, max_draft: int
+    ) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.tokenizer = tokenizer
+        self.max_draft = max_draft
+        self.eos = set(tokenizer.eos_ids)
+        self.limit = target.cfg.context_limit
+        self.seqs: list[RequestState] = []  # row order of `batch`
+        self.batch: SpecBatch | None = None
+
+    def capacity_for(self, prompt_len: int, max_tokens: int) -> int:
+        """Cache slots one request needs: prompt, output and one round's drafts past the end."""
+        return min(self.limit, prompt_len + max_tokens + self.max_draft + 1)
+
+    def join(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        indices: Iterable[int],
+    ) -> list[StreamEvent]:
+        """Prefill newcomers (StreamEvent.index = their `indices`), emit their first tokens and
+        append the unfinished ones to the running batch."""
+        start = time.perf_counter()
+        seqs = new_states(prompts, params, self.tokenizer, self.limit, self.target.device, indices)
+        capacity = max(
+            self.capacity_for(len(p), sp.max_tokens) for p, sp in zip(prompts, params, strict=True)
+        )
+        batch = start_batch(self.target, self.proposer, prompts, params, seqs, capacity)
+        first = batch.roots.tolist()  # sync: the first token of every new row
         now = time.perf_counter()
-        keep = []
-        for row, seq in enumerate(active):
+        events, keep = [], []
+        for row, seq in enumerate(seqs):
+            seq.started = start
+            account_time(seq.out.stats, start, now)
+            event = _emit(seq, [first[row]], self.eos, self.limit)
+            events.append(event)
+            if event.output is None:
+                keep.append(row)
+        if keep:
+            if len(keep) < len(seqs):
+                batch = batch.select(self.proposer, keep)
+            parts = [batch] if self.batch is None else [self.batch, batch]
+            self.batch = SpecBatch.concat(self.proposer, parts) if len(parts) > 1 else batch
+            self.seqs += [seqs[r] for r in keep]
+        return events
+
+    def round(self, num_draft: int, tree: TreeConfig | None) -> RoundReport:
+        """One draft-and-verify round for every row; finished rows leave afterwards."""
+        assert self.batch is not None, "round() on an empty batch"
+        start = time.perf_counter()
+        result = speculate_round(
+            self.target, self.proposer, self.batch, self.batch.cache.capacity, num_draft, tree
+        )
+        now = time.perf_counter()
+        events, keep = [], []
+        for row, seq in enumerate(self.seqs):
             seq.out.stats.record_round(
                 result.drafted, result.accepted[row], result.draft_seconds, result.verify_seconds
             )
-            account_time(seq.out.stats, start, now)
-            event = _emit(seq, result.tokens[row], eos, limit)
-            yield event
+            account_time(seq.out.stats, seq.started, now)
+            event = _emit(seq, result.tokens[row], self.eos, self.limit)
+            events.append(event)
             if event.output is None:
                 keep.append(row)
+        self._keep(keep)
+        return RoundReport(events, result, now - start)
+
+    def drop(self, indices: Iterable[int]) -> list[RequestState]:
+        """Remove the rows of these requests (cancelled); returns their states."""
+        gone = set(indices)
+        dropped = [s for s in self.seqs if s.out.index in gone]
+        self._keep([r for r, s in enumerate(self.seqs) if s.out.index not in gone])
+        return dropped
+
+    def _keep(self, rows: list[int]) -> None:
+        if len(rows) == len(self.seqs):
+            return
+        self.seqs = [self.seqs[r] for r in rows]
+        assert self.batch is not None
+        self.batch = self.batch.select(self.proposer, rows) if rows else None
 
 
 def start_batch(
@@ -184,15 +278,17 @@ def speculate_round(
         drafted = proposer.propose_tree(batch.draft, batch.roots, tree)
     else:  # a chain, shortened near the end of the cache
         k = max(0, min(num_draft, room))
-        roots = batch.roots
-        drafted = chain_tree(roots, proposer.propose(batch.draft, k) if k else roots[:, :0])
+        roots = batch.roots  # (B,)
+        drafts = proposer.propose(batch.draft, k) if k else roots.new_empty(len(roots), 0)
+        drafted = chain_tree(roots, drafts)
     clock.mark()
     prefix = torch.tensor(batch.cache.lengths, device=batch.roots.device)
+    single = drafted.num_nodes == 1  # no drafts: a plain decoding step, same forward and mask
     out: ForwardOutput = target(
         drafted.tokens,
         verify_positions(drafted, prefix),
         batch.cache,
-        attn_mask=drafted.mask,
+        attn_mask=None if single else drafted.mask,
         capture=proposer.capture,
     )
     result = _verify(drafted, out.logits, batch.st, batch.generators)
@@ -201,7 +297,10 @@ def speculate_round(
     rows = host.tolist()  # sync: the round's tokens, once for all rows
     clock.mark()
     accepted = [r[0] for r in rows]
-    batch.cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
+    if single:
+        batch.cache.advance([1] * len(rows))
+    else:
+        batch.cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
     batch.draft = _catch_up(proposer, batch.draft, out, result, path_tokens, accepted)
     batch.roots = result.next_token
     tokens = [r[3 : 3 + r[0]] + [r[1]] for r in rows]
@@ -242,8 +341,8 @@ def _catch_up(
     A = max(accepted) + 1
     dev = path_tokens.device
     a = torch.tensor(accepted, device=dev)[:, None]  # (B, 1)
-    tokens = path_tokens[:, 1 : A + 1]
-    tokens = torch.cat([tokens, tokens[:, :1]], 1)[:, :A]  # width A even when A = D + 1
+    # width A even when A = D + 1 (or D = 0); the extra column is overwritten by `next` below
+    tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)[:, :A]
     tokens = tokens.scatter(1, a, result.next_token[:, None])  # row b: d_1 .. d_a, next
     nodes = result.path.clamp(min=0)[:, :A]  # (B, A) root, accepted nodes, padding
     aux = [torch.gather(h, 1, nodes[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden]

@@ -73,7 +73,7 @@ class GenerationStats:
 
 @dataclass
 class RequestOutput:
-    index: int  # position of the request in the batch it came with
+    index: int  # the request's id: its position in the batch it came with, or the caller's id
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # generated ids, without a final EOS
     text: str = ""
@@ -95,6 +95,7 @@ class RequestState:
     params: SamplingParams
     stream: TextStream
     generator: torch.Generator | None
+    started: float = 0.0  # perf_counter when its prefill began: the origin of its timings
 
 
 def check_prompt(prompt: Sequence[int], limit: int) -> None:
@@ -119,9 +120,12 @@ def new_states(
     tokenizer: Tokenizer,
     limit: int,
     device: torch.device,
+    indices: Iterable[int] | None = None,
 ) -> list[RequestState]:
+    """`indices` name the requests in their events (default 0 .. n-1, the batch order)."""
     for p in prompts:
         check_prompt(p, limit)
+    ids = range(len(prompts)) if indices is None else list(indices)
     return [
         RequestState(
             out=RequestOutput(i, list(p), stats=GenerationStats(len(p))),
@@ -129,7 +133,7 @@ def new_states(
             stream=TextStream(tokenizer.stream_decoder(p), sp.stop),
             generator=None if sp.seed is None else torch.Generator(device).manual_seed(sp.seed),
         )
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        for i, p, sp in zip(ids, prompts, params, strict=True)
     ]
 
 

@@ -64,6 +64,21 @@ class SamplingTensors:
             any_penalty=self.any_penalty,
         )
 
+    @classmethod
+    def concat(cls, parts: Sequence[SamplingTensors]) -> SamplingTensors:
+        """The rows of `parts` in order (new sequences joining a running batch)."""
+        return cls(
+            temperature=torch.cat([p.temperature for p in parts]),
+            top_k=torch.cat([p.top_k for p in parts]),
+            top_p=torch.cat([p.top_p for p in parts]),
+            min_p=torch.cat([p.min_p for p in parts]),
+            repetition_penalty=torch.cat([p.repetition_penalty for p in parts]),
+            all_greedy=all(p.all_greedy for p in parts),
+            any_greedy=any(p.any_greedy for p in parts),
+            any_filter=any(p.any_filter for p in parts),
+            any_penalty=any(p.any_penalty for p in parts),
+        )
+
 
 def apply_repetition_penalty(
     logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor

@@ -6,6 +6,7 @@ Round protocol, per batch (B rows, ragged):
     drafts = propose(state, k)                                (B, k) target-vocabulary tokens
     state = catch_up(state, tokens, aux, counts)              after verification
     state = select_rows(state, rows)                          when finished rows leave
+    state = concat([state, ...])                              when new rows join (serving)
 `roots` are the tokens the target just chose (not yet in its cache). In `catch_up`, row b's
 `tokens[b, :counts[b]]` are its accepted draft tokens followed by the next root, and `aux` holds the
 target's captured states of the previous root and the accepted tokens (same width), for proposers
@@ -46,6 +47,39 @@ class Proposer(Protocol):
     ) -> Any: ...
 
     def select_rows(self, state: Any, rows: Sequence[int]) -> Any: ...
+
+    def concat(self, states: Sequence[Any]) -> Any: ...
+
+
+class NoDraft:
+    """Proposes nothing: rounds of zero draft tokens are plain decoding steps. Lets one engine loop
+    serve without a draft, the same code path a draft takes when drafting stops paying."""
+
+    capture: tuple[int, ...] = ()
+
+    def start(
+        self,
+        prompt_ids: torch.Tensor,
+        roots: torch.Tensor,
+        aux: Sequence[torch.Tensor],
+        counts: Sequence[int],
+        capacity: int,
+    ) -> None:
+        return None
+
+    def propose(self, state: None, k: int) -> torch.Tensor:
+        raise ValueError("NoDraft proposes no tokens; run rounds with num_draft=0")
+
+    def catch_up(
+        self, state: None, tokens: torch.Tensor, aux: Sequence[torch.Tensor], counts: Sequence[int]
+    ) -> None:
+        return None
+
+    def select_rows(self, state: None, rows: Sequence[int]) -> None:
+        return None
+
+    def concat(self, states: Sequence[None]) -> None:
+        return None
 
 
 @runtime_checkable

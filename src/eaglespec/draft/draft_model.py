@@ -44,6 +44,12 @@ class DraftModelState:
         idx = torch.tensor(list(rows), device=self.first.device)
         return DraftModelState(self.cache.select_rows(rows), self.first[idx])
 
+    @staticmethod
+    def concat(parts: Sequence[DraftModelState]) -> DraftModelState:
+        return DraftModelState(
+            KVCache.concat([p.cache for p in parts]), torch.cat([p.first for p in parts])
+        )
+
 
 class DraftModelProposer:
     """Greedy chains of k tokens from a small draft Transformer sharing the target's vocabulary.
@@ -114,6 +120,9 @@ class DraftModelProposer:
 
     def select_rows(self, state: DraftModelState, rows: Sequence[int]) -> DraftModelState:
         return state.select_rows(rows)
+
+    def concat(self, states: Sequence[DraftModelState]) -> DraftModelState:
+        return DraftModelState.concat(states)
 
     def _advance(
         self,

@@ -120,3 +120,6 @@ class PromptLookupProposer:
 
     def select_rows(self, state: LookupState, rows: Sequence[int]) -> LookupState:
         return LookupState([state.rows[r] for r in rows], state.device)
+
+    def concat(self, states: Sequence[LookupState]) -> LookupState:
+        return LookupState([row for s in states for row in s.rows], states[0].device)

@@ -40,6 +40,14 @@ class DraftState:
         idx = torch.tensor(list(rows), device=self.logits.device)
         return DraftState(self.cache.select_rows(rows), self.logits[idx], self.prenorm[idx])
 
+    @staticmethod
+    def concat(parts: Sequence[DraftState]) -> DraftState:
+        return DraftState(
+            KVCache.concat([p.cache for p in parts]),
+            torch.cat([p.logits for p in parts]),
+            torch.cat([p.prenorm for p in parts]),
+        )
+
 
 class Eagle3Proposer:
     """Greedy EAGLE-3 chains of up to k tokens. Drafting never samples: the draft picks are
@@ -65,6 +73,9 @@ class Eagle3Proposer:
 
     def select_rows(self, state: DraftState, rows: Sequence[int]) -> DraftState:
         return state.select_rows(rows)
+
+    def concat(self, states: Sequence[DraftState]) -> DraftState:
+        return DraftState.concat(states)
 
     def catch_up(
         self,

@@ -1,0 +1,169 @@
+"""How much to draft in each speculation round: fixed, off, or chosen from measured costs and
+observed acceptance. Host-side arithmetic only, no tensors.
+
+The adaptive policy maximises expected tokens per second for the current batch size B:
+
+    tokens(k) = 1 + sum_{j=1..k} P(accept >= j)      a chain of k drafts (the 1 is the bonus)
+    rate(k)   = tokens(k) / seconds(B, k)            per row, per second of wall time
+
+P(accept >= j) is estimated from every row of every round that proposed at least j tokens
+(acceptance counts per draft position, with a Beta(1, 1) prior and exponential forgetting, so the
+estimate follows the traffic). seconds(B, k) is a moving average of measured round times, per
+power-of-two bucket of B, since verifying k + 1 tokens for B rows costs more as B grows. An EAGLE-2
+tree configured beside the chains is one more arm with its own measured tokens per round.
+
+k = 0 is a plain decoding step (the draft only catches up), so drafting stops when no k > 0
+beats it. Arms never measured at a batch bucket are tried once before their costs are trusted,
+and while drafting is off a probe round every `probe_every` rounds keeps the acceptance estimate
+from going stale. This is the cost model the server runs; nothing in it is a constant guessed
+for a machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from eaglespec.config import TreeConfig
+from eaglespec.errors import InvalidRequestError
+
+SPECULATION_MODES = ("adaptive", "on", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftChoice:
+    num_draft: int  # chain length (0: no drafting this round)
+    tree: TreeConfig | None = None  # an EAGLE-2 tree instead of a chain
+
+    @property
+    def name(self) -> str:
+        if self.tree is not None:
+            t = self.tree
+            return f"tree{t.depth},{t.top_k},{t.num_nodes}"
+        return f"chain{self.num_draft}"
+
+
+class FixedDraft:
+    """The same shape every round: `on` with the configured shape, `off` with num_draft 0."""
+
+    def __init__(self, choice: DraftChoice) -> None:
+        self.choice = choice
+
+    def choose(self, batch: int) -> DraftChoice:
+        return self.choice
+
+    def observe(
+        self, batch: int, choice: DraftChoice, seconds: float, accepted: Sequence[int]
+    ) -> None:
+        pass
+
+
+@dataclass
+class _Arm:
+    seconds: dict[int, float] = field(default_factory=dict)  # batch bucket -> EMA round seconds
+    tokens: float | None = None  # EMA tokens per row per round (trees only)
+
+
+class AdaptiveDraft:
+    """Chains of 0 .. max_draft tokens (and `tree`, if given), chosen per round."""
+
+    def __init__(
+        self,
+        max_draft: int,
+        tree: TreeConfig | None = None,
+        *,
+        smoothing: float = 0.2,
+        forget: float = 0.995,
+        probe_every: int = 32,
+    ) -> None:
+        if max_draft < 1:
+            raise InvalidRequestError(f"adaptive drafting needs max_draft >= 1, got {max_draft}")
+        self.max_draft = max_draft
+        self.choices = [DraftChoice(k) for k in range(max_draft + 1)]
+        if tree is not None:
+            self.choices.append(DraftChoice(0, tree))
+        self.arms = {c: _Arm() for c in self.choices}
+        self.smoothing = smoothing  # weight of a new round time in its moving average
+        self.forget = forget  # per-row decay of the acceptance counts
+        self.probe_every = probe_every
+        self.proposed = [0.0] * max_draft  # [j]: rows that proposed >= j + 1 (decayed)
+        self.accepted = [0.0] * max_draft  # [j]: rows that accepted >= j + 1 (decayed)
+        self.rounds_without_drafts = 0
+
+    def accept_prob(self, j: int) -> float:
+        """P(accept >= j + 1) among rows that proposed j + 1 tokens, Beta(1, 1) prior."""
+        return (self.accepted[j] + 1.0) / (self.proposed[j] + 2.0)
+
+    def expected_tokens(self, choice: DraftChoice) -> float:
+        """Tokens a row gains per round with this choice (bonus included)."""
+        if choice.tree is not None:
+            tokens = self.arms[choice].tokens
+            return tokens if tokens is not None else self.expected_tokens(DraftChoice(1))
+        return 1.0 + sum(self.accept_prob(j) for j in range(choice.num_draft))
+
+    def choose(self, batch: int) -> DraftChoice:
+        bucket = _bucket(batch)
+        for c in self.choices:  # explore: every arm is measured once per batch bucket
+            if bucket not in self.arms[c].seconds:
+                return c
+        best = max(self.choices, key=lambda c: self.rate(c, bucket))
+        if best.num_draft == 0 and best.tree is None:
+            self.rounds_without_drafts += 1
+            if self.rounds_without_drafts >= self.probe_every:  # refresh the acceptance estimate
+                self.rounds_without_drafts = 0
+                drafting = [c for c in self.choices if c.num_draft or c.tree]
+                return max(drafting, key=lambda c: self.rate(c, bucket))
+        else:
+            self.rounds_without_drafts = 0
+        return best
+
+    def rate(self, choice: DraftChoice, bucket: int) -> float:
+        """Expected tokens per row per second at this batch bucket (measured arms only)."""
+        return self.expected_tokens(choice) / self.arms[choice].seconds[bucket]
+
+    def observe(
+        self, batch: int, choice: DraftChoice, seconds: float, accepted: Sequence[int]
+    ) -> None:
+        """One finished round: its wall time and the draft tokens each row accepted."""
+        arm = self.arms.get(choice)
+        if arm is None:
+            return
+        bucket = _bucket(batch)
+        old = arm.seconds.get(bucket)
+        arm.seconds[bucket] = seconds if old is None else _mix(old, seconds, self.smoothing)
+        if choice.tree is not None:
+            mean = 1.0 + sum(accepted) / max(1, len(accepted))
+            arm.tokens = mean if arm.tokens is None else _mix(arm.tokens, mean, self.smoothing)
+            return
+        for a in accepted:
+            for j in range(self.max_draft):
+                self.proposed[j] *= self.forget
+                self.accepted[j] *= self.forget
+            for j in range(choice.num_draft):
+                self.proposed[j] += 1.0
+                self.accepted[j] += float(j < a)
+
+
+def make_policy(
+    mode: str, num_draft: int, tree: TreeConfig | None, has_draft: bool
+) -> FixedDraft | AdaptiveDraft:
+    """`mode` "adaptive", "on" (the configured shape every round) or "off"; without a draft only
+    "off" runs."""
+    if mode not in SPECULATION_MODES:
+        raise InvalidRequestError(
+            f"unknown speculation mode '{mode}' (choose from {', '.join(SPECULATION_MODES)})"
+        )
+    if mode == "off" or not has_draft:
+        return FixedDraft(DraftChoice(0))
+    if mode == "on":
+        return FixedDraft(DraftChoice(num_draft, tree))
+    return AdaptiveDraft(max(1, num_draft), tree)
+
+
+def _bucket(batch: int) -> int:
+    """The power of two at or above the batch size: round costs are shared within a bucket."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+def _mix(old: float, new: float, weight: float) -> float:
+    return (1 - weight) * old + weight * new
