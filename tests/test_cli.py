@@ -39,18 +39,18 @@ def test_pull_list(capsys) -> None:
 
 
 def test_method_eagle3_alone_uses_the_shipped_head(tiny_hf_folder: Path) -> None:
-    from eaglespec.cli import _method_and_draft
+    from eaglespec.cliargs import method_and_draft
     from eaglespec.heads import packaged_head
 
     head = packaged_head("smollm2-135m")
     assert head is not None and (head / "config.json").is_file()
-    assert _method_and_draft("smollm2-135m", "eagle3", None) == ("eagle3", str(head))
-    assert _method_and_draft("/x/SmolLM2-135M-Instruct.Q4_1.gguf", "eagle3", None)[1] == str(head)
-    assert _method_and_draft("smollm2-135m", None, None) == ("none", None)  # plain by default
-    assert _method_and_draft("smollm2-135m", "eagle3", "none") == ("eagle3", None)
-    assert _method_and_draft("smollm2-135m", None, "none") == ("none", None)
-    assert _method_and_draft("smollm2-135m", "lookup", None) == ("lookup", None)
-    assert _method_and_draft(str(tiny_hf_folder), None, None) == ("none", None)
+    assert method_and_draft("smollm2-135m", "eagle3", None) == ("eagle3", str(head))
+    assert method_and_draft("/x/SmolLM2-135M-Instruct.Q4_1.gguf", "eagle3", None)[1] == str(head)
+    assert method_and_draft("smollm2-135m", None, None) == ("none", None)  # plain by default
+    assert method_and_draft("smollm2-135m", "eagle3", "none") == ("eagle3", None)
+    assert method_and_draft("smollm2-135m", None, "none") == ("none", None)
+    assert method_and_draft("smollm2-135m", "lookup", None) == ("lookup", None)
+    assert method_and_draft(str(tiny_hf_folder), None, None) == ("none", None)
 
 
 @pytest.mark.parametrize("command", ["train", "export"])

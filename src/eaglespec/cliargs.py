@@ -1,9 +1,22 @@
-"""Parsing of command-line values that argparse's types do not cover, with errors that name the
-flag (an `InvalidRequestError`, which the CLI prints as one line)."""
+"""Command-line pieces the commands share: the model and speculation options (generate, serve,
+bench), loading an `LLM` from them, and parsing of values that argparse's types do not cover,
+with errors that name the flag (an `InvalidRequestError`, which the CLI prints as one line)."""
 
 from __future__ import annotations
 
+import argparse
+from typing import TYPE_CHECKING
+
+from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
+from eaglespec.heads import packaged_head
+from eaglespec.methods import METHODS
+from eaglespec.model.llama import COMPILE_MODES
+from eaglespec.model.quant import QUANT_MODES
+from eaglespec.registry import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from eaglespec.llm import LLM
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -12,3 +25,107 @@ def int_list(text: str, flag: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise InvalidRequestError(f"{flag} takes comma-separated integers, got '{text}'") from None
+
+
+def tree_shape(text: str | None) -> TreeConfig | None:
+    """'4,4,16' -> TreeConfig(depth 4, top_k 4, num_nodes 16)."""
+    if text is None:
+        return None
+    values = int_list(text, "--tree")
+    if len(values) != 3:
+        raise InvalidRequestError(f"--tree takes DEPTH,TOPK,NODES, got '{text}'")
+    return TreeConfig(depth=values[0], top_k=values[1], num_nodes=values[2])
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF folder")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--quant",
+        choices=QUANT_MODES,
+        default="none",
+        help="weight-only quantization of the linear layers (CPU only): int8 stores int8 "
+        "weights with per-channel scales; int4 stores 4-bit weights in groups of 32 (the output "
+        "head stays int8). Both use bf16 activations in each matmul (the kernels' only fast "
+        "input dtype); with --dtype float32 the inputs are cast to bf16 and back around each "
+        "matmul, the rest of the model stays fp32",
+    )
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="none",
+        help="torch.compile the decode and verify steps: block (each decoder block; compiles "
+        "in seconds) or full (the whole step; fastest, but 1-2 minutes of compiling per run)",
+    )
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+
+
+def add_speculation_args(p: argparse.ArgumentParser, *, default_method: str = "none") -> None:
+    """`default_method` names what runs with neither --method nor --draft (for the help)."""
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--method",
+        choices=METHODS,
+        help="eagle3 (the default when --draft is given; alone, it uses the head shipped for "
+        "the model), draft-model, lookup, or none (plain decoding). Default: " + default_method,
+    )
+    spec.add_argument(
+        "--draft",
+        help="eagle3: an EAGLE-3 checkpoint folder, or 'random' (a seeded random head: exact "
+        "output, little acceptance); draft-model: a model name or path; 'none': plain decoding. "
+        "With --method eagle3 and no --draft: the head shipped for the model (heads/)",
+    )
+    spec.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per round (chain)")
+    spec.add_argument(
+        "--tree",
+        metavar="DEPTH,TOPK,NODES",
+        help="draft an EAGLE-2 dynamic tree instead of a chain, e.g. 4,4,16 (eagle3 only)",
+    )
+    spec.add_argument(
+        "--capture",
+        metavar="B1,B2,B3",
+        help="override the target layers the EAGLE-3 head reads (boundary indices)",
+    )
+
+
+def load_llm(args: argparse.Namespace, *, progress: bool, default_method: str = "none") -> LLM:
+    """The model and draft the shared options name (threads set first)."""
+    import torch
+
+    from eaglespec.llm import LLM  # torch-heavy imports only for commands that need them
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    method = args.method
+    if method is None and args.draft is None:  # the command's default, eagle3 if a head ships
+        shipped = default_method != "eagle3" or packaged_head(args.model) is not None
+        method = default_method if shipped else "none"
+    method, draft = method_and_draft(args.model, method, args.draft)
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quant=args.quant,
+        compile=args.compile,
+        progress=progress,
+        method=method,
+        draft=draft,
+        num_draft=args.draft_tokens,
+        tree=tree_shape(args.tree),
+        capture=int_list(args.capture, "--capture") if args.capture else None,
+    )
+
+
+def method_and_draft(model: str, method: str | None, draft: str | None) -> tuple[str, str | None]:
+    """`--method eagle3` without --draft drafts with the EAGLE-3 head shipped for the model
+    (heads/). With neither flag decoding stays plain: the shipped SmolLM2 head accepts 1.2-1.9
+    tokens per forward, which on a 2-core CPU runs at about half plain decoding's speed
+    (BENCHMARKS.md), so drafting is not the default until a head measurably pays."""
+    if draft == "none":
+        return method or "none", None
+    if draft is None and method == "eagle3":
+        head = packaged_head(model)
+        if head is not None:
+            return "eagle3", str(head)
+    return method or ("eagle3" if draft else "none"), draft

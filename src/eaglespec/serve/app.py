@@ -1,0 +1,353 @@
+"""The OpenAI-compatible HTTP layer: FastAPI routes, request checks, server-sent events.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
+GET /metrics. All generation goes through one `Scheduler` (the engine thread); a request's
+events come back through an asyncio queue. A client that disconnects cancels its sequences.
+Every refusal is OpenAI's error object naming the field: 400 for bad input, 404 for an unknown
+model, 429 when the queue is full and 503 while shutting down (both with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from eaglespec.config import SamplingParams, TreeConfig
+from eaglespec.draft.base import NoDraft
+from eaglespec.engine import BatchRunner, check_speculation, draft_width
+from eaglespec.errors import ChatTemplateError, InvalidRequestError
+from eaglespec.llm import LLM
+from eaglespec.policy import make_policy
+from eaglespec.requests import RequestOutput, StreamEvent, check_prompt
+from eaglespec.serve.metrics import ServerMetrics
+from eaglespec.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedFieldError,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
+from eaglespec.serve.scheduler import (
+    QueueFullError,
+    Scheduler,
+    ServerClosingError,
+    Submission,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    served_name: str  # the model id clients send and /v1/models lists
+    max_seqs: int = 16  # sequences decoding together at most
+    max_queue: int = 64  # requests waiting at most; more get 429
+    max_model_len: int | None = None  # prompt + output tokens per request (default: the model's)
+    speculation: str = "adaptive"  # adaptive | on | off (see policy.py)
+    shutdown_grace: float = 10.0  # seconds running requests get to finish at shutdown
+
+
+class HTTPError(Exception):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        body = error_body(str(self), kind=kind, param=self.param, code=self.code)
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def create_app(llm: LLM, options: ServeOptions) -> FastAPI:
+    """An app serving `llm` (its proposer, num_draft and tree set the speculation)."""
+    proposer = llm.proposer or NoDraft()
+    tree: TreeConfig | None = llm.tree
+    check_speculation(proposer, [SamplingParams()], tree)
+    max_draft = draft_width(llm.num_draft, tree) if llm.proposer is not None else 0
+    limit = llm.config.context_limit
+    max_len = min(limit, options.max_model_len or limit)
+    metrics = ServerMetrics()
+    policy = make_policy(options.speculation, llm.num_draft, tree, llm.proposer is not None)
+    runner = BatchRunner(llm.model, proposer, llm.tokenizer, max_draft=max_draft)
+    scheduler = Scheduler(
+        runner, policy, metrics, max_seqs=options.max_seqs, max_queue=options.max_queue
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        yield
+        await asyncio.to_thread(scheduler.stop, options.shutdown_grace)
+
+    app = FastAPI(title="eaglespec", lifespan=lifespan)
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {first.get('msg', '')}"
+            return HTTPError(400, message, param=None).response()
+        field = ".".join(loc) or None
+        detail = str(first.get("msg", "invalid value"))
+        return HTTPError(400, f"{field}: {detail}" if field else detail, param=field).response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        running, waiting = scheduler.load
+        return {"status": "ok", "running": running, "waiting": waiting}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": options.served_name, "object": "model", "created": 0, "owned_by": "eaglespec"}
+        return {"object": "list", "data": [{**card, "max_model_len": max_len}]}
+
+    def check_model(name: str) -> None:
+        if name != options.served_name:
+            raise HTTPError(
+                404,
+                f"model '{name}' is not served here (this server serves '{options.served_name}')",
+                param="model",
+                code="model_not_found",
+            )
+
+    def prepare(
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        field: str,
+    ) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt, params) per choice, in choice order: prompt i, sample j -> i * n + j."""
+        check_model(body.model)
+        try:
+            body.check_supported()
+        except UnsupportedFieldError as e:
+            raise HTTPError(400, str(e), param=e.param) from None
+        vocab = llm.config.vocab_size
+        jobs = []
+        for ids in prompts:
+            try:
+                check_prompt(ids, max_len)
+            except InvalidRequestError as e:
+                raise HTTPError(400, f"{field}: {e}", param=field) from None
+            if any(not 0 <= t < vocab for t in ids):
+                raise HTTPError(400, f"{field}: token ids must be in [0, {vocab})", param=field)
+            room = max_len - len(ids)
+            if max_tokens is not None and max_tokens > room:
+                raise HTTPError(
+                    400,
+                    f"max_tokens {max_tokens} + the prompt's {len(ids)} tokens exceed the "
+                    f"context of {max_len} tokens",
+                    param="max_tokens",
+                )
+            for j in range(body.n):
+                try:
+                    params = body.sampling_params(max_tokens or room, j)
+                except InvalidRequestError as e:
+                    raise HTTPError(400, str(e)) from None
+                jobs.append((ids, params))
+        return jobs
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        prompts = _completion_prompts(body.prompt, llm)
+        jobs = prepare(body, prompts, body.max_tokens, "prompt")
+        run = _Run(scheduler, jobs, sum(len(p) for p in prompts))
+        run.start()  # before any response: a full queue is a 429, not an error event
+        meta = {"id": new_id("cmpl"), "created": now(), "model": options.served_name}
+        if body.stream:
+            return _sse(_completion_chunks(run, meta, body.include_usage))
+        outputs = await run.collect(request)
+        choices = [
+            {"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+            for i, o in enumerate(outputs)
+        ]
+        return {"object": "text_completion", **meta, "choices": choices, "usage": run.usage()}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        if not llm.tokenizer.chat_template:
+            raise HTTPError(
+                400,
+                "messages: this model has no chat template; send plain text to /v1/completions",
+                param="messages",
+            )
+        try:
+            ids = llm.tokenizer.encode_chat(body.chat_messages())
+        except ChatTemplateError as e:
+            raise HTTPError(400, f"messages: {e}", param="messages") from None
+        jobs = prepare(body, [ids], body.requested_max_tokens, "messages")
+        run = _Run(scheduler, jobs, len(ids))
+        run.start()
+        meta = {"id": new_id("chatcmpl"), "created": now(), "model": options.served_name}
+        if body.stream:
+            return _sse(_chat_chunks(run, meta, body.include_usage))
+        outputs = await run.collect(request)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": None,
+                "finish_reason": o.finish_reason,
+            }
+            for i, o in enumerate(outputs)
+        ]
+        return {"object": "chat.completion", **meta, "choices": choices, "usage": run.usage()}
+
+    return app
+
+
+def _completion_prompts(
+    prompt: str | list[int] | list[str] | list[list[int]], llm: LLM
+) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [llm.tokenizer.encode(prompt)]
+    if not prompt:
+        raise HTTPError(400, "prompt: at least one prompt is needed", param="prompt")
+    if isinstance(prompt[0], int):
+        return [[int(t) for t in prompt]]
+    return [llm.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+class _Run:
+    """The choices of one HTTP request in the scheduler, and their events on this event loop."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        jobs: Sequence[tuple[list[int], SamplingParams]],
+        prompt_tokens: int,  # for usage: each prompt once, however many samples it has
+    ) -> None:
+        self.scheduler = scheduler
+        self.jobs = jobs
+        self.prompt_tokens = prompt_tokens
+        self.subs: list[Submission] = []
+        self.outputs: dict[int, RequestOutput] = {}
+        self.queue: asyncio.Queue[tuple[int, StreamEvent | None, Exception | None]] | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, StreamEvent | None, Exception | None]] = asyncio.Queue()
+        self.queue = queue
+        try:
+            for choice, (ids, params) in enumerate(self.jobs):
+
+                def deliver(
+                    event: StreamEvent | None, error: Exception | None, choice: int = choice
+                ) -> None:
+                    loop.call_soon_threadsafe(queue.put_nowait, (choice, event, error))
+
+                self.subs.append(self.scheduler.submit(ids, params, deliver))
+        except QueueFullError as e:
+            self.cancel()
+            raise HTTPError(429, str(e), code="queue_full") from None
+        except ServerClosingError as e:
+            self.cancel()
+            raise HTTPError(503, str(e)) from None
+
+    def cancel(self) -> None:
+        for sub in self.subs:
+            self.scheduler.cancel(sub)
+
+    async def events(
+        self, request: Request | None = None
+    ) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """(choice, event) until every choice has finished; cancels what is left on exit.
+        `request`, when given, is polled for a disconnect (non-streaming responses; a streaming
+        response is cancelled by the server when its client goes)."""
+        assert self.queue is not None, "start() first"
+        try:
+            while len(self.outputs) < len(self.jobs):
+                try:
+                    choice, event, error = await asyncio.wait_for(self.queue.get(), 1.0)
+                except TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        return
+                    continue
+                if error is not None:
+                    if isinstance(error, InvalidRequestError):
+                        raise HTTPError(400, str(error))
+                    raise HTTPError(500, f"generation failed: {error}")
+                assert event is not None
+                if event.output is not None:
+                    self.outputs[choice] = event.output
+                yield choice, event
+        finally:
+            self.cancel()
+
+    async def collect(self, request: Request) -> list[RequestOutput]:
+        async for _ in self.events(request):
+            pass
+        if len(self.outputs) < len(self.jobs):
+            raise HTTPError(499, "client disconnected")
+        return [self.outputs[i] for i in range(len(self.jobs))]
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(o.token_ids) for o in self.outputs.values())
+        return usage(self.prompt_tokens, completion)
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except HTTPError as e:  # after the 200 went out: an error event, as OpenAI streams do
+            err = error_body(str(e), kind="server_error", param=e.param, code=e.code)
+            yield f"data: {json.dumps(err)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _completion_chunks(
+    run: _Run, meta: dict[str, Any], include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    async for choice, event in run.events():
+        finish = event.output.finish_reason if event.output is not None else None
+        if event.text or finish:
+            c = {"index": choice, "text": event.text, "logprobs": None, "finish_reason": finish}
+            yield {"object": "text_completion", **meta, "choices": [c]}
+    if include_usage:
+        yield {"object": "text_completion", **meta, "choices": [], "usage": run.usage()}
+
+
+async def _chat_chunks(
+    run: _Run, meta: dict[str, Any], include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    base = {"object": "chat.completion.chunk", **meta}
+    for choice in range(len(run.jobs)):
+        c = {"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        yield {**base, "choices": [{**c, "finish_reason": None}]}
+    async for choice, event in run.events():
+        finish = event.output.finish_reason if event.output is not None else None
+        if event.text:
+            c = {"index": choice, "delta": {"content": event.text}, "logprobs": None}
+            yield {**base, "choices": [{**c, "finish_reason": None}]}
+        if finish:
+            c = {"index": choice, "delta": {}, "logprobs": None, "finish_reason": finish}
+            yield {**base, "choices": [c]}
+    if include_usage:
+        yield {**base, "choices": [], "usage": run.usage()}

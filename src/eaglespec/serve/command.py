@@ -1,0 +1,68 @@
+"""`eaglespec serve`: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
+from eaglespec.errors import InvalidRequestError
+from eaglespec.policy import SPECULATION_MODES
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API (continuous batching)",
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics. Without --method/--draft it drafts with the EAGLE-3 head "
+        "shipped for the model, if one ships, under adaptive speculation.",
+    )
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-name", help="model id clients use (default: the --model value)")
+    p.add_argument("--max-seqs", type=int, default=16, help="sequences decoding together")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429s")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="prompt + output tokens per request (default: the model's context)",
+    )
+    p.add_argument(
+        "--speculation",
+        choices=SPECULATION_MODES,
+        default="adaptive",
+        help="adaptive: pick the draft length (0 = none) each round from measured round times "
+        "and observed acceptance; on: the configured chain or tree every round; off: plain",
+    )
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds to finish work")
+    add_speculation_args(p, default_method="eagle3 with the head shipped for the model, else none")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from eaglespec.serve.app import ServeOptions, create_app
+
+    for flag in ("max_seqs", "max_queue", "max_model_len", "port"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "port" else 1):
+            raise InvalidRequestError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    llm = load_llm(args, progress=True, default_method="eagle3")
+    if llm.draft_report:
+        print(f"[{llm.method}: {llm.draft_report}]", file=sys.stderr)
+    path = Path(args.model)
+    name = args.served_name or (path.name if path.exists() else args.model)
+    options = ServeOptions(
+        served_name=name,
+        max_seqs=args.max_seqs,
+        max_queue=args.max_queue,
+        max_model_len=args.max_model_len,
+        speculation=args.speculation,
+        shutdown_grace=args.shutdown_grace,
+    )
+    app = create_app(llm, options)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
