@@ -1,0 +1,92 @@
+"""The adaptive draft policy against a simulated machine: it measures every arm once, then drafts
+long when acceptance is high and drafting is cheap, stops drafting when nothing is accepted (with
+periodic probes), and keeps separate costs per batch-size bucket."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from eaglespec.config import TreeConfig
+from eaglespec.errors import InvalidRequestError
+from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft, make_policy
+
+
+def _simulate(
+    policy: AdaptiveDraft, accept: float, cost, rounds: int, batch: int = 1, seed: int = 0
+) -> list[DraftChoice]:
+    """Rows accept each draft position with probability `accept` until the first rejection;
+    a round of k drafts at batch B takes cost(B, k) seconds."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(rounds):
+        c = policy.choose(batch)
+        accepted = []
+        for _ in range(batch):
+            a = 0
+            while a < c.num_draft and rng.random() < accept:
+                a += 1
+            accepted.append(a)
+        policy.observe(batch, c, cost(batch, c.num_draft), accepted)
+        chosen.append(c)
+    return chosen
+
+
+def test_explores_each_arm_once_then_exploits_long_chains() -> None:
+    policy = AdaptiveDraft(4)
+    chosen = _simulate(policy, 0.9, lambda b, k: 0.010 + 0.001 * k, 200)
+    assert [c.num_draft for c in chosen[:5]] == [0, 1, 2, 3, 4]
+    assert [c.num_draft for c in chosen[-50:]] == [4] * 50
+    assert policy.accept_prob(0) == pytest.approx(0.9, abs=0.06)
+
+
+def test_stops_drafting_when_nothing_is_accepted_but_probes() -> None:
+    policy = AdaptiveDraft(4, probe_every=16)
+    chosen = _simulate(policy, 0.0, lambda b, k: 0.010 + 0.004 * k, 300)
+    tail = [c.num_draft for c in chosen[100:]]
+    assert tail.count(0) > 0.9 * len(tail)
+    assert 0 < sum(1 for k in tail if k) <= len(tail) // 16 + 1  # the probes, and only them
+
+
+def test_expensive_verification_prefers_short_chains() -> None:
+    # 60% acceptance; each draft token costs 40% of a plain step: one draft at most pays.
+    policy = AdaptiveDraft(4)
+    chosen = _simulate(policy, 0.6, lambda b, k: 0.010 + 0.004 * k, 400)
+    tail = [c.num_draft for c in chosen[-100:]]
+    assert max(set(tail), key=tail.count) == 1
+
+
+def test_costs_are_kept_per_batch_bucket() -> None:
+    # Drafting is nearly free alone, but at batch 8 verifying drafts costs 3x a plain step each.
+    def cost(b: int, k: int) -> float:
+        return 0.010 + (0.0005 if b == 1 else 0.03) * k
+
+    policy = AdaptiveDraft(3)
+    _simulate(policy, 0.7, cost, 100, batch=1)
+    _simulate(policy, 0.7, cost, 100, batch=8)
+    assert policy.choose(1).num_draft == 3
+    assert policy.choose(8).num_draft == 0
+    assert policy.choose(5).num_draft == 0  # 5 shares the bucket of 8
+
+
+def test_tree_arm_uses_its_measured_tokens() -> None:
+    tree = TreeConfig(depth=3, top_k=2, num_nodes=4)
+    policy = AdaptiveDraft(2, tree)
+    arm = DraftChoice(0, tree)
+    assert arm in policy.choices and arm.name == "tree3,2,4"
+    for c in policy.choices:  # measure every arm: the tree accepts 2 per row, chains nothing
+        policy.observe(1, c, 0.010, [2] if c.tree else [0])
+    assert policy.expected_tokens(arm) == 3.0
+    assert policy.choose(1) == arm
+
+
+def test_make_policy_modes() -> None:
+    tree = TreeConfig(depth=2, top_k=2, num_nodes=3)
+    assert make_policy("on", 3, tree, True).choose(4) == DraftChoice(3, tree)
+    assert make_policy("off", 3, None, True).choose(4) == DraftChoice(0)
+    assert make_policy("adaptive", 3, None, False).choose(1) == DraftChoice(0)  # no draft
+    assert isinstance(make_policy("adaptive", 3, None, True), AdaptiveDraft)
+    assert isinstance(make_policy("on", 3, None, True), FixedDraft)
+    with pytest.raises(InvalidRequestError, match="speculation mode"):
+        make_policy("sometimes", 3, None, True)

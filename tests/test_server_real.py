@@ -1,0 +1,142 @@
+"""The server on the default model (SmolLM2-135M-Instruct with its shipped EAGLE-3 head, adaptive
+speculation, fp32), driven by the real `openai` client over loopback: chat and completions,
+streaming and not, stop strings and usage counts; 16 simultaneous streaming requests each equal
+their solo plain greedy run (what `eaglespec generate` prints), nothing lost or duplicated, and
+/metrics accounts for all of them."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from eaglespec import LLM, SamplingParams
+from eaglespec.generate import generate_stream
+from eaglespec.heads import packaged_head
+from eaglespec.registry import pull
+from eaglespec.requests import collect_outputs
+from eaglespec.serve.app import ServeOptions, create_app
+from server_fixtures import running_server
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.real
+
+NAME = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    path = pull(NAME, progress=False)
+    head = packaged_head(NAME)
+    assert head is not None
+    return LLM(str(path), progress=False, method="eagle3", draft=str(head))
+
+
+@pytest.fixture(scope="module")
+def server(llm: LLM):
+    app = create_app(llm, ServeOptions(served_name=NAME, max_seqs=16))
+    with running_server(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server: str):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def _plain(llm: LLM, ids: list[int], params: SamplingParams):
+    return collect_outputs(generate_stream(llm.model, llm.tokenizer, [ids], [params]))[0]
+
+
+def test_models_and_health(client, server: str) -> None:
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_chat_equals_plain_generate(client, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+    ids = llm.tokenizer.encode_chat(messages)
+    want = _plain(llm, ids, SamplingParams(max_tokens=24))
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.total_tokens == len(ids) + len(want.token_ids)
+
+
+def test_chat_stream_equals_non_stream(client) -> None:
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=20, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completion_stop_string(client, llm: LLM) -> None:
+    prompt = "The days of the week are Monday, Tuesday,"
+    full = client.completions.create(model=NAME, prompt=prompt, max_tokens=30, temperature=0)
+    text = full.choices[0].text
+    assert "," in text
+    r = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=30, temperature=0, stop=[","]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index(",")]  # the text before the stop string
+    assert "," not in r.choices[0].text
+
+
+def test_sixteen_concurrent_streams_equal_their_solo_runs(llm: LLM) -> None:
+    app = create_app(llm, ServeOptions(served_name=NAME, max_seqs=16))
+    questions = [
+        "What is 2 + 2?", "Name a fruit.", "Say hello.", "What colour is the sky?",
+        "Count to five.", "Name a planet.", "What is water made of?", "Give me a verb.",
+        "What is the opposite of hot?", "Name an ocean.", "Spell cat.", "What day follows Monday?",
+        "Name a metal.", "What is 3 times 3?", "Name a bird.", "What is the capital of Italy?",
+    ]  # fmt: skip
+    lengths = [4 + (i * 5) % 23 for i in range(16)]
+    got: dict[int, list[str]] = {}
+
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        start = threading.Barrier(16)
+
+        def one(i: int) -> None:
+            start.wait()
+            stream = client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": questions[i]}],
+                max_tokens=lengths[i], temperature=0, stream=True,
+            )  # fmt: skip
+            got[i] = [c.choices[0].delta.content or "" for c in stream if c.choices]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        metrics = httpx.get(f"{url}/metrics").text
+
+    total = 0
+    for i in range(16):
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": questions[i]}])
+        want = _plain(llm, ids, SamplingParams(max_tokens=lengths[i]))
+        assert "".join(got[i]) == want.text, i
+        total += len(want.token_ids)
+    finished = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("eaglespec_requests_total{")
+    )
+    assert finished == 16
+    generated = [x for x in metrics.splitlines() if x.startswith("eaglespec_generation_tokens_total")]
+    assert float(generated[0].rsplit(" ", 1)[1]) == total
