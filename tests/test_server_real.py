@@ -138,5 +138,6 @@ def test_sixteen_concurrent_streams_equal_their_solo_runs(llm: LLM) -> None:
         if line.startswith("eaglespec_requests_total{")
     )
     assert finished == 16
-    generated = [x for x in metrics.splitlines() if x.startswith("eaglespec_generation_tokens_total")]
+    lines = metrics.splitlines()
+    generated = [x for x in lines if x.startswith("eaglespec_generation_tokens_total")]
     assert float(generated[0].rsplit(" ", 1)[1]) == total
