@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from eaglespec.bench.command import add_bench_parser, cmd_bench
 from eaglespec.cliargs import int_list
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.errors import EaglespecError, InvalidRequestError
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pull(sub)
     add_train_parser(sub)
     add_export_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -215,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pull": cmd_pull,
         "train": cmd_train,
         "export": cmd_export,
+        "bench": cmd_bench,
     }
     try:
         return commands[args.command](args)
