@@ -18,6 +18,8 @@ from eaglespec.bench.questions import Question, read_all
 from eaglespec.bench.report import fmt_lossless, summary_table
 from eaglespec.bench.runner import Generation, RunSettings, run_conversation
 from eaglespec.cli import build_parser, main
+from eaglespec.cliargs import tree_config
+from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model.loader import load_model
 from eaglespec.requests import GenerationStats, RequestOutput
@@ -239,3 +241,14 @@ def test_questions_files(tmp_path: Path) -> None:
     bad.write_text('{"question_id": 1, "turns": []}\n')
     with pytest.raises(InvalidRequestError, match=r"bad.jsonl:1: 'turns' must be"):
         read_all([bad])
+
+
+def test_tree_shape_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert tree_config("4,4,16", "--tree") == TreeConfig(depth=4, top_k=4, num_nodes=16)
+    with pytest.raises(InvalidRequestError, match="--tree takes DEPTH,TOPK,NODES, got '4,4'"):
+        tree_config("4,4", "--tree")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "turns": ["hi"]}) + "\n")
+    argv = ["bench", "--questions", str(questions), "--tree", "4,x,2", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "--tree takes comma-separated integers, got '4,x,2'" in capsys.readouterr().err

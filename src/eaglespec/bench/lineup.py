@@ -21,7 +21,7 @@ from eaglespec.draft.draft_model import DraftModelProposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
-from eaglespec.methods import make_proposer
+from eaglespec.methods import Speculation, make_proposer
 from eaglespec.model.loader import LoadedModel
 from eaglespec.requests import RequestOutput, collect_outputs
 
@@ -107,36 +107,34 @@ def build_methods(
     compile: str,
     progress: bool,
 ) -> list[BenchMethod]:
-    """Load each method's draft once. `quant` applies to the drafts as to the target; `compile`
-    to a draft model's steps (the caller compiles the target's)."""
+    """Load each draft once (the EAGLE-3 head serves chain and tree). `quant` applies to the
+    drafts as to the target; `compile` to a draft model's steps (the caller compiles the
+    target's)."""
+    specs: dict[str, Speculation] = {}
+
+    def speculation(method: str, draft: str | None) -> Speculation:
+        if method not in specs:
+            specs[method] = make_proposer(method, draft, target, quant=quant, progress=progress)
+        return specs[method]
+
     out = []
-    head: Proposer | None = None
-    head_line = ""
     for name in names:
         if name == PLAIN:
             out.append(BenchMethod(name, None, 0, None, "plain decoding (baseline)"))
-        elif name.startswith("eagle3"):
-            if head is None:
-                spec = make_proposer(
-                    "eagle3", drafts.eagle3, target, quant=quant, progress=progress
-                )
-                head, head_line = spec.proposer, spec.report
-            assert head is not None
-            if name == "eagle3-chain":
-                out.append(
-                    BenchMethod(name, head, num_draft, None, f"{head_line}; chain k={num_draft}")
-                )
-            else:
-                shape = f"tree depth {tree.depth}, top-k {tree.top_k}, {tree.num_nodes} nodes"
-                out.append(BenchMethod(name, head, num_draft, tree, f"{head_line}; {shape}"))
-        else:
-            method = "lookup" if name == "lookup" else "draft-model"
-            spec = make_proposer(method, drafts.draft_model, target, quant=quant, progress=progress)
+            continue
+        if name == "eagle3-tree":
+            spec = speculation("eagle3", drafts.eagle3)
+            shape = f"tree depth {tree.depth}, top-k {tree.top_k}, {tree.num_nodes} nodes"
+            out.append(BenchMethod(name, spec.proposer, num_draft, tree, f"{spec.report}; {shape}"))
+            continue
+        if name == "eagle3-chain":
+            spec = speculation("eagle3", drafts.eagle3)
+        elif name == "draft-model":
+            spec = speculation("draft-model", drafts.draft_model)
             if isinstance(spec.proposer, DraftModelProposer):
                 spec.proposer.model.compile_steps(compile)
-            out.append(
-                BenchMethod(
-                    name, spec.proposer, num_draft, None, f"{spec.report}; chain k={num_draft}"
-                )
-            )
+        else:
+            spec = speculation("lookup", None)
+        chain = f"{spec.report}; chain of {num_draft}"
+        out.append(BenchMethod(name, spec.proposer, num_draft, None, chain))
     return out
