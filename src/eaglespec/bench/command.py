@@ -26,6 +26,7 @@ from eaglespec.bench.report import render_report, summary_table
 from eaglespec.bench.results import results_dict, write_results
 from eaglespec.bench.runner import Generation, QuestionDone, RunSettings, run_benchmark
 from eaglespec.cliargs import tree_config
+from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
 from eaglespec.model.llama import COMPILE_MODES, check_compile_mode
 from eaglespec.model.loader import load_model, parse_dtype
@@ -92,12 +93,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_quant_mode(args.quant)
     check_compile_mode(args.compile)
     tree = tree_config(args.tree, "--tree")
+    if args.num_draft < 1:
+        raise InvalidRequestError(f"--num-draft must be >= 1, got {args.num_draft}")
     questions = read_all(args.questions, args.limit)
     head = args.draft or packaged_head(args.model)
     drafts = DraftSources(eagle3=str(head) if head else None, draft_model=args.draft_model)
     names = check_methods(args.methods or default_methods(drafts), drafts)
     settings = RunSettings(args.max_tokens, args.temperature, args.seed)
     settings.params()  # validates max_tokens and temperature
+    args.out.mkdir(parents=True, exist_ok=True)  # fail now, not after the run, if it cannot be
 
     target = load_model(
         resolve_model(args.model, progress=not args.quiet),
@@ -143,7 +147,6 @@ def _write(
     memory_scope: str,
 ) -> None:
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
     command = command_line(args)
     settings = {
         "questions": [str(p) for p in args.questions],
