@@ -170,7 +170,8 @@ def _write(
     write_results(out / "results.json", data)
     from eaglespec.bench.plots import write_plots  # matplotlib only for the command that plots
 
-    subtitle = f"{target_name(env)}, {env['device']} {env['dtype']}, {len(questions)} questions"
+    n = len(questions)
+    subtitle = f"{target_name(env)}, {env['device']} {env['dtype']}, {n} question{'s' * (n != 1)}"
     plots = write_plots(out, summary, subtitle)
     report = render_report(
         summary,
