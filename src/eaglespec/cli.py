@@ -1,4 +1,4 @@
-"""Command line: `eaglespec generate|pull|train|export|serve`.
+"""Command line: `eaglespec generate|pull|train|export|serve|bench`.
 
 Errors a user can act on print as one line, with exit code 2.
 """
@@ -10,6 +10,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from eaglespec.bench.command import add_bench_parser, cmd_bench
 from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
 from eaglespec.config import SamplingParams
 from eaglespec.errors import EaglespecError
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_export_parser(sub)
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -129,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train": cmd_train,
         "export": cmd_export,
         "serve": cmd_serve,
+        "bench": cmd_bench,
     }
     try:
         return commands[args.command](args)

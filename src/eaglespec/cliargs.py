@@ -27,13 +27,11 @@ def int_list(text: str, flag: str) -> list[int]:
         raise InvalidRequestError(f"{flag} takes comma-separated integers, got '{text}'") from None
 
 
-def tree_shape(text: str | None) -> TreeConfig | None:
-    """'4,4,16' -> TreeConfig(depth 4, top_k 4, num_nodes 16)."""
-    if text is None:
-        return None
-    values = int_list(text, "--tree")
+def tree_config(text: str, flag: str) -> TreeConfig:
+    """'4,4,16' -> TreeConfig(depth=4, top_k=4, num_nodes=16); anything else names `flag`."""
+    values = int_list(text, flag)
     if len(values) != 3:
-        raise InvalidRequestError(f"--tree takes DEPTH,TOPK,NODES, got '{text}'")
+        raise InvalidRequestError(f"{flag} takes DEPTH,TOPK,NODES, got '{text}'")
     return TreeConfig(depth=values[0], top_k=values[1], num_nodes=values[2])
 
 
@@ -112,7 +110,7 @@ def load_llm(args: argparse.Namespace, *, progress: bool, default_method: str = 
         method=method,
         draft=draft,
         num_draft=args.draft_tokens,
-        tree=tree_shape(args.tree),
+        tree=tree_config(args.tree, "--tree") if args.tree else None,
         capture=int_list(args.capture, "--capture") if args.capture else None,
     )
 

@@ -1,0 +1,224 @@
+"""`eaglespec bench`: the command line of the benchmark harness."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglespec.bench.aggregate import BenchSummary, summarize
+from eaglespec.bench.environment import EngineSettings, describe_model, environment
+from eaglespec.bench.lineup import (
+    METHOD_NAMES,
+    BenchMethod,
+    DraftSources,
+    build_methods,
+    check_methods,
+    default_methods,
+)
+from eaglespec.bench.memory import memory_meter
+from eaglespec.bench.questions import GROUPINGS, Question, read_all
+from eaglespec.bench.report import render_report, summary_table
+from eaglespec.bench.results import results_dict, write_results
+from eaglespec.bench.runner import Generation, QuestionDone, RunSettings, run_benchmark
+from eaglespec.cliargs import tree_config
+from eaglespec.errors import InvalidRequestError
+from eaglespec.heads import packaged_head
+from eaglespec.model.llama import COMPILE_MODES, check_compile_mode
+from eaglespec.model.loader import load_model, parse_dtype
+from eaglespec.model.quant import QUANT_MODES, check_quant_mode
+from eaglespec.registry import DEFAULT_MODEL, resolve_model
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "bench",
+        help="benchmark speculative decoding methods against plain decoding",
+        description="Runs FastChat-format questions (question_id, category, turns) at batch 1 "
+        "with plain decoding and each method on one loaded target, methods interleaved per "
+        "question after a warm-up, and writes OUT/results.json, OUT/report.md and PNG plots: "
+        "tokens/s, speedup, acceptance, time per round, peak memory, and whether greedy "
+        "outputs equal plain decoding's.",
+    )
+    p.add_argument("--questions", nargs="+", required=True, metavar="FILE", help="FastChat JSONL")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF folder")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHOD_NAMES,
+        help="default: every method that can run (eagle3-* when a head ships for the model or "
+        "--draft is given, draft-model with --draft-model); plain always runs as the baseline",
+    )
+    p.add_argument("--draft", help="EAGLE-3 head folder or 'random'; default: the shipped head")
+    p.add_argument("--draft-model", help="draft-model method's drafter, e.g. qwen2.5-coder-0.5b")
+    p.add_argument("--limit", type=int, help="first K questions of each file")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per turn at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (checks lossless)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--group-by", choices=GROUPINGS, default="category", help="table rows")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    p.add_argument("--num-draft", "--draft-tokens", dest="num_draft", type=int, default=4)
+    p.add_argument("--tree", default="4,4,16", metavar="DEPTH,TOPK,NODES", help="eagle3-tree")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quant", choices=QUANT_MODES, default="none", help="target and drafts")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="none", help="decode steps")
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces `args`, every option spelled out."""
+    parts = ["eaglespec", "bench", "--questions", *args.questions, "--model", args.model]
+    parts += ["--methods", *args.methods] if args.methods else []
+    for flag in ("draft", "draft_model", "limit", "threads"):
+        value = getattr(args, flag)
+        parts += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
+    for flag in ("max_tokens", "temperature", "seed", "group_by", "out", "num_draft", "tree"):
+        parts += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for flag in ("dtype", "device", "quant", "compile"):
+        parts += [f"--{flag}", str(getattr(args, flag))]
+    return shlex.join(parts + (["--quiet"] if args.quiet else []))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # Every argument is checked before the (slow) loads.
+    parse_dtype(args.dtype)
+    check_quant_mode(args.quant)
+    check_compile_mode(args.compile)
+    tree = tree_config(args.tree, "--tree")
+    if args.num_draft < 1:
+        raise InvalidRequestError(f"--num-draft must be >= 1, got {args.num_draft}")
+    questions = read_all(args.questions, args.limit)
+    head = args.draft or packaged_head(args.model)
+    drafts = DraftSources(eagle3=str(head) if head else None, draft_model=args.draft_model)
+    names = check_methods(args.methods or default_methods(drafts), drafts)
+    settings = RunSettings(args.max_tokens, args.temperature, args.seed)
+    settings.params()  # validates max_tokens and temperature
+    args.out.mkdir(parents=True, exist_ok=True)  # fail now, not after the run, if it cannot be
+
+    target = load_model(
+        resolve_model(args.model, progress=not args.quiet),
+        dtype=args.dtype,
+        device=args.device,
+        quant=args.quant,
+    )
+    target.model.compile_steps(args.compile)
+    methods = build_methods(
+        names,
+        target,
+        drafts,
+        num_draft=args.num_draft,
+        tree=tree,
+        quant=args.quant,
+        compile=args.compile,
+        progress=not args.quiet,
+    )
+    meter = memory_meter(target.model.device)
+    log = _progress(questions) if not args.quiet else None
+    generations = run_benchmark(target, methods, questions, settings, meter, log)
+    summary = summarize(
+        generations, questions, names, group_by=args.group_by, greedy=settings.temperature == 0
+    )
+    env = environment(
+        EngineSettings(args.device, args.dtype, args.quant, args.compile),
+        describe_model(target.path),
+        _describe_drafts(methods, drafts),
+    )
+    _write(args, methods, summary, questions, generations, env, meter.scope)
+    print(summary_table(summary.overall))
+    print(f"written: {args.out / 'results.json'}, {args.out / 'report.md'}", file=sys.stderr)
+    return 0
+
+
+def _write(
+    args: argparse.Namespace,
+    methods: list[BenchMethod],
+    summary: BenchSummary,
+    questions: list[Question],
+    generations: list[Generation],
+    env: dict[str, Any],
+    memory_scope: str,
+) -> None:
+    out: Path = args.out
+    command = command_line(args)
+    settings = {
+        "questions": [str(p) for p in args.questions],
+        "limit": args.limit,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "num_draft": args.num_draft,
+        "tree": args.tree,
+        "memory_scope": memory_scope,
+    }
+    data = results_dict(
+        command=command,
+        settings=settings,
+        environment=env,
+        methods=methods,
+        summary=summary,
+        questions=questions,
+        generations=generations,
+    )
+    write_results(out / "results.json", data)
+    from eaglespec.bench.plots import write_plots  # matplotlib only for the command that plots
+
+    n = len(questions)
+    subtitle = f"{target_name(env)}, {env['device']} {env['dtype']}, {n} question{'s' * (n != 1)}"
+    plots = write_plots(out, summary, subtitle)
+    report = render_report(
+        summary,
+        command=command,
+        settings=settings,
+        environment=env,
+        descriptions={m.name: m.description for m in methods},
+        memory_scope=memory_scope,
+        plots=plots,
+    )
+    (out / "report.md").write_text(report, encoding="utf-8")
+
+
+def target_name(env: dict[str, Any]) -> str:
+    return Path(env["model"]["path"]).name
+
+
+def _describe_drafts(methods: list[BenchMethod], drafts: DraftSources) -> dict[str, Any]:
+    """Path and hashes of each draft a method used ('random' heads have no file)."""
+    used = {m.name for m in methods}
+    out: dict[str, Any] = {}
+    if drafts.eagle3 and used & {"eagle3-chain", "eagle3-tree"}:
+        random = drafts.eagle3 == "random"
+        out["eagle3"] = (
+            {"path": "random", "sha256": None} if random else describe_model(Path(drafts.eagle3))
+        )
+    if drafts.draft_model and "draft-model" in used:
+        out["draft-model"] = describe_model(resolve_model(drafts.draft_model, progress=False))
+    return out
+
+
+def _progress(questions: list[Question]) -> QuestionDone:
+    """A line per question on stderr: each method's tokens/s on it."""
+
+    def log(index: int, gens: list[Generation]) -> None:
+        q = questions[index]
+        parts = []
+        for method in dict.fromkeys(g.method for g in gens):
+            stats = [g.output.stats for g in gens if g.method == method]
+            tokens = sum(s.new_tokens for s in stats)
+            seconds = sum(s.prefill_seconds + s.decode_seconds for s in stats)
+            parts.append(f"{method} {tokens / seconds if seconds else 0:.1f}")
+        print(
+            f"[{index + 1}/{len(questions)}] {q.source} {q.question_id} ({q.category}): "
+            f"tok/s {', '.join(parts)}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return log

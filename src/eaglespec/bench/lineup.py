@@ -1,0 +1,140 @@
+"""The methods a benchmark compares, all on one loaded target.
+
+  plain         plain decoding: the baseline every speedup is measured against
+  eagle3-chain  an EAGLE-3 head drafting a greedy chain of `num_draft` tokens per round
+  eagle3-tree   the same head drafting an EAGLE-2 dynamic tree (`tree`: depth, top-k, nodes)
+  draft-model   a smaller model with the target's vocabulary drafting chains
+  lookup        prompt lookup: n-grams of the context, no model
+
+The chain and the tree share one head; a proposer keeps no state between generations (each
+generation's state comes from `start`), so one object serves every question.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from eaglespec.config import SamplingParams, TreeConfig
+from eaglespec.draft.base import Proposer
+from eaglespec.draft.draft_model import DraftModelProposer
+from eaglespec.engine import generate_speculative
+from eaglespec.errors import InvalidRequestError
+from eaglespec.generate import generate_stream
+from eaglespec.methods import Speculation, make_proposer
+from eaglespec.model.loader import LoadedModel
+from eaglespec.requests import RequestOutput, collect_outputs
+
+PLAIN = "plain"
+METHOD_NAMES = (PLAIN, "eagle3-chain", "eagle3-tree", "draft-model", "lookup")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSources:
+    """What the drafting methods draft with; None where nothing was given or ships."""
+
+    eagle3: str | None  # an EAGLE-3 head folder, or "random" (seeded random head)
+    draft_model: str | None  # a registry name or path of a smaller model
+
+
+@dataclass(frozen=True, slots=True)
+class BenchMethod:
+    name: str  # one of METHOD_NAMES
+    proposer: Proposer | None  # None: plain decoding
+    num_draft: int  # draft tokens per round of a chain (unused by plain and the tree)
+    tree: TreeConfig | None  # EAGLE-2 tree shape, or None for chains
+    description: str  # one line: what drafts, and how much
+
+    def generate(
+        self, target: LoadedModel, prompt: Sequence[int], params: SamplingParams
+    ) -> RequestOutput:
+        """One request at batch 1, run to the end."""
+        if self.proposer is None:
+            events = generate_stream(target.model, target.tokenizer, [prompt], [params])
+        else:
+            events = generate_speculative(
+                target.model,
+                self.proposer,
+                target.tokenizer,
+                [prompt],
+                [params],
+                num_draft=self.num_draft,
+                tree=self.tree,
+            )
+        return collect_outputs(events)[0]
+
+
+def default_methods(drafts: DraftSources) -> list[str]:
+    """Every method that can run with what was given: the EAGLE-3 pair when a head is known,
+    draft-model when a draft model was named; plain and lookup always."""
+    names = [PLAIN]
+    if drafts.eagle3:
+        names += ["eagle3-chain", "eagle3-tree"]
+    if drafts.draft_model:
+        names.append("draft-model")
+    return [*names, "lookup"]
+
+
+def check_methods(names: Sequence[str], drafts: DraftSources) -> list[str]:
+    """`names` in order without repeats, plain first (the baseline always runs); an unknown name
+    or a method without its draft is an error, raised before anything loads."""
+    out = [PLAIN]
+    for name in names:
+        if name not in METHOD_NAMES:
+            raise InvalidRequestError(
+                f"unknown benchmark method '{name}' (choose from {', '.join(METHOD_NAMES)})"
+            )
+        if name.startswith("eagle3") and not drafts.eagle3:
+            raise InvalidRequestError(
+                f"method '{name}' needs an EAGLE-3 head: none ships for this model, so pass "
+                "--draft PATH (or --draft random)"
+            )
+        if name == "draft-model" and not drafts.draft_model:
+            raise InvalidRequestError("method 'draft-model' needs --draft-model MODEL")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def build_methods(
+    names: Sequence[str],
+    target: LoadedModel,
+    drafts: DraftSources,
+    *,
+    num_draft: int,
+    tree: TreeConfig,
+    quant: str,
+    compile: str,
+    progress: bool,
+) -> list[BenchMethod]:
+    """Load each draft once (the EAGLE-3 head serves chain and tree). `quant` applies to the
+    drafts as to the target; `compile` to a draft model's steps (the caller compiles the
+    target's)."""
+    specs: dict[str, Speculation] = {}
+
+    def speculation(method: str, draft: str | None) -> Speculation:
+        if method not in specs:
+            specs[method] = make_proposer(method, draft, target, quant=quant, progress=progress)
+        return specs[method]
+
+    out = []
+    for name in names:
+        if name == PLAIN:
+            out.append(BenchMethod(name, None, 0, None, "plain decoding (baseline)"))
+            continue
+        if name == "eagle3-tree":
+            spec = speculation("eagle3", drafts.eagle3)
+            shape = f"tree depth {tree.depth}, top-k {tree.top_k}, {tree.num_nodes} nodes"
+            out.append(BenchMethod(name, spec.proposer, num_draft, tree, f"{spec.report}; {shape}"))
+            continue
+        if name == "eagle3-chain":
+            spec = speculation("eagle3", drafts.eagle3)
+        elif name == "draft-model":
+            spec = speculation("draft-model", drafts.draft_model)
+            if isinstance(spec.proposer, DraftModelProposer):
+                spec.proposer.model.compile_steps(compile)
+        else:
+            spec = speculation("lookup", None)
+        chain = f"{spec.report}; chain of {num_draft}"
+        out.append(BenchMethod(name, spec.proposer, num_draft, None, chain))
+    return out

@@ -1,0 +1,144 @@
+"""report.md: the benchmark as tables a person reads, with the command that produced it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from eaglespec.bench.aggregate import BenchSummary, LosslessCheck, MethodStats
+from eaglespec.bench.lineup import PLAIN
+
+
+def fmt_lossless(check: LosslessCheck, method: str) -> str:
+    if method == PLAIN:
+        return "baseline"
+    if check.lossless is None:
+        return "n/a (sampling)"
+    if check.lossless:
+        return f"yes ({check.compared}/{check.compared})"
+    m = check.first_mismatch
+    where = (
+        f"; first: {m.source} {m.question_id} turn {m.turn + 1}, token {m.position}" if m else ""
+    )
+    return f"**no**: {check.mismatches} of {check.compared} differ{where}"
+
+
+def fmt_round_time(s: MethodStats) -> str:
+    t = s.round_time
+    if t is None:
+        return "-"
+    if t.draft_ms is None or t.verify_ms is None or t.other_ms is None:
+        return f"{t.total_ms:.1f} per step"
+    return f"{t.draft_ms:.1f} / {t.verify_ms:.1f} / {t.other_ms:.1f} ({t.total_ms:.1f})"
+
+
+def fmt_speedup(s: MethodStats) -> str:
+    return "-" if s.speedup is None else f"{s.speedup:.2f}x"
+
+
+def fmt_accept_length(s: MethodStats) -> str:
+    return "-" if s.mean_accept_length is None else f"{s.mean_accept_length:.2f}"
+
+
+def fmt_rates(s: MethodStats) -> str:
+    return ", ".join(f"{r:.2f}" for r in s.accept_rate_by_position) or "-"
+
+
+def summary_table(overall: dict[str, MethodStats]) -> str:
+    rows = [
+        "| method | tok/s | speedup | mean accept length | accept rate by draft position "
+        "| ms per round: draft / verify / other (total) | peak memory | lossless |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in overall.items():
+        rows.append(
+            f"| {name} | {s.tokens_per_second:.1f} | {fmt_speedup(s)} | {fmt_accept_length(s)} "
+            f"| {fmt_rates(s)} | {fmt_round_time(s)} | {s.peak_memory_bytes / 2**20:.0f} MiB "
+            f"| {fmt_lossless(s.lossless, name)} |"
+        )
+    return "\n".join(rows)
+
+
+def group_table(
+    summary: BenchSummary, methods: Sequence[str], cell: Callable[[MethodStats], str]
+) -> str:
+    """Rows: groups then "all"; columns: `methods`; one metric per table."""
+    rows = [
+        f"| {summary.group_by} | turns | " + " | ".join(methods) + " |",
+        "|---|---|" + "---|" * len(methods),
+    ]
+    tables = [*summary.groups.items(), ("**all**", summary.overall)]
+    for name, table in tables:
+        turns = table[PLAIN].generations
+        rows.append(f"| {name} | {turns} | " + " | ".join(cell(table[m]) for m in methods) + " |")
+    return "\n".join(rows)
+
+
+def render_report(
+    summary: BenchSummary,
+    *,
+    command: str,
+    settings: dict[str, Any],
+    environment: dict[str, Any],
+    descriptions: dict[str, str],
+    memory_scope: str,
+    plots: Sequence[str],
+) -> str:
+    env = environment
+    names = list(summary.overall)
+    drafting = [m for m in names if m != PLAIN]
+    hardware = env["gpu"] or env["cpu"]
+    git = env["eaglespec"]["git"]
+    commit = f", eaglespec {git['commit'][:10]}{' (dirty)' if git['dirty'] else ''}" if git else ""
+    sampling = (
+        "greedy" if settings["temperature"] == 0 else f"temperature {settings['temperature']}"
+    )
+    lines = [
+        f"# eaglespec bench: {Path(env['model']['path']).name}",
+        "",
+        f"```\n{command}\n```",
+        "",
+        f"{env['date']}; {hardware}; torch {env['torch']}, {env['threads']} threads; "
+        f"device {env['device']}, {env['dtype']}, quant {env['quant']}, "
+        f"compile {env['compile']}{commit}.",
+        f"{summary.overall[PLAIN].generations} turns from {', '.join(settings['questions'])}; "
+        f"at most {settings['max_tokens']} new tokens per turn, {sampling}, batch 1, methods "
+        "interleaved per question after a warm-up.",
+        "",
+        "tok/s: new tokens over prefill + decode time, summed over all turns. Speedup: over plain "
+        "decoding on the same questions. Mean acceptance length: tokens per target forward, "
+        "the bonus token included. Accept rate [j]: share of rounds that accepted their j-th "
+        f"draft token. Peak memory: {memory_scope}; every method's models stay loaded together. "
+        "Lossless: token ids identical to plain decoding's for every turn (greedy only).",
+        "",
+        "## Summary",
+        "",
+        summary_table(summary.overall),
+        "",
+        "## Methods",
+        "",
+        *[f"- **{name}**: {descriptions[name]}" for name in names],
+        "",
+        f"## By {summary.group_by}",
+        "",
+        "### Speedup over plain decoding",
+        "",
+        group_table(summary, drafting, fmt_speedup),
+        "",
+        "### Tokens/s",
+        "",
+        group_table(summary, names, lambda s: f"{s.tokens_per_second:.1f}"),
+        "",
+        "### Mean acceptance length",
+        "",
+        group_table(summary, drafting, fmt_accept_length),
+        "",
+        "### Lossless",
+        "",
+        group_table(summary, drafting, lambda s: fmt_lossless(s.lossless, "")),
+        "",
+    ]
+    if plots:
+        lines += ["## Plots", "", *[f"![{Path(p).stem}]({p})\n" for p in plots]]
+    return "\n".join(lines).rstrip("\n") + "\n"
