@@ -259,3 +259,41 @@ def test_fuzzed_completion_requests_never_500(client: TestClient, extra: dict) -
     assert r.status_code in (200, 400, 404), r.text
     if r.status_code != 200 and not body.get("stream"):
         assert r.json()["error"]["message"]
+
+
+def _events(got: list, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, "no events from the engine thread"
+        time.sleep(0.01)
+
+
+def test_shutdown_lets_short_work_finish_then_refuses(llm: LLM) -> None:
+    from eaglespec.serve.scheduler import ServerClosingError
+
+    app = create_app(llm, ServeOptions(served_name=NAME))
+    scheduler = app.state.scheduler
+    scheduler.start()
+    got: list = []
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    scheduler.submit([5, 6], params, lambda e, err: got.append((e, err)))
+    _events(got, 1)
+    scheduler.stop(grace=60)  # returns when the engine thread has ended
+    assert got[-1][1] is None and got[-1][0].output.finish_reason == "length"
+    with pytest.raises(ServerClosingError):
+        scheduler.submit([5], params, lambda e, err: None)
+
+
+def test_shutdown_past_grace_cancels_running_work(llm: LLM) -> None:
+    app = create_app(llm, ServeOptions(served_name=NAME))
+    scheduler = app.state.scheduler
+    scheduler.start()
+    got: list = []
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    scheduler.submit([5, 6], params, lambda e, err: got.append((e, err)))
+    _events(got, 1)
+    scheduler.stop(grace=0)
+    event, error = got[-1]
+    assert event is None and "cancelled" in str(error)
+    assert scheduler.runner.seqs == [] and scheduler.load == (0, 0)
+    assert len(got) < 100
