@@ -25,13 +25,13 @@ from eaglespec.bench.questions import GROUPINGS, Question, read_all
 from eaglespec.bench.report import render_report, summary_table
 from eaglespec.bench.results import results_dict, write_results
 from eaglespec.bench.runner import Generation, QuestionDone, RunSettings, run_benchmark
-from eaglespec.cliargs import tree_config
+from eaglespec.cliargs import add_model_args, tree_config
 from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
-from eaglespec.model.llama import COMPILE_MODES, check_compile_mode
+from eaglespec.model.llama import check_compile_mode
 from eaglespec.model.loader import load_model, parse_dtype
-from eaglespec.model.quant import QUANT_MODES, check_quant_mode
-from eaglespec.registry import DEFAULT_MODEL, resolve_model
+from eaglespec.model.quant import check_quant_mode
+from eaglespec.registry import resolve_model
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -45,7 +45,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "outputs equal plain decoding's.",
     )
     p.add_argument("--questions", nargs="+", required=True, metavar="FILE", help="FastChat JSONL")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF folder")
+    add_model_args(p)  # --model, --dtype, --device, --quant, --compile, --threads
     p.add_argument(
         "--methods",
         nargs="+",
@@ -63,11 +63,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     p.add_argument("--num-draft", "--draft-tokens", dest="num_draft", type=int, default=4)
     p.add_argument("--tree", default="4,4,16", metavar="DEPTH,TOPK,NODES", help="eagle3-tree")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quant", choices=QUANT_MODES, default="none", help="target and drafts")
-    p.add_argument("--compile", choices=COMPILE_MODES, default="none", help="decode steps")
-    p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
