@@ -53,7 +53,7 @@ def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
     proposer = _HalfRightProposer(head, [g[1:] for g in greedy], right)
     seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
     batch = start_batch(target, proposer, prompts, params, seqs, capacity=32)
-    out = speculate_round(target, proposer, batch, 32, num_draft=4, tree=None)
+    out = speculate_round(target, proposer, batch, num_draft=4, tree=None)
     assert out.accepted == right
     for row, (prompt, g) in enumerate(zip(prompts, greedy, strict=True)):
         seq = prompt + g[: 1 + right[row]]  # prompt, first root, accepted drafts

@@ -206,9 +206,7 @@ class BatchRunner:
         """One draft-and-verify round for every row; finished rows leave afterwards."""
         assert self.batch is not None, "round() on an empty batch"
         start = time.perf_counter()
-        result = speculate_round(
-            self.target, self.proposer, self.batch, self.batch.cache.capacity, num_draft, tree
-        )
+        result = speculate_round(self.target, self.proposer, self.batch, num_draft, tree)
         now = time.perf_counter()
         events, keep = [], []
         for row, seq in enumerate(self.seqs):
@@ -266,14 +264,14 @@ def speculate_round(
     target: Transformer,
     proposer: Proposer,
     batch: SpecBatch,
-    capacity: int,
     num_draft: int,
     tree: TreeConfig | None,
 ) -> RoundOutput:
-    """Propose, verify in one target forward, commit both caches; updates `batch` in place."""
+    """Propose, verify in one target forward, commit both caches; updates `batch` in place.
+    Near the end of the cache the chain is shortened (a tree falls back to a chain)."""
     clock = PhaseClock(batch.roots.device)
     clock.mark()
-    room = capacity - max(batch.cache.lengths) - 1
+    room = batch.cache.capacity - max(batch.cache.lengths) - 1
     if tree is not None and isinstance(proposer, TreeProposer) and room >= tree.num_nodes:
         drafted = proposer.propose_tree(batch.draft, batch.roots, tree)
     else:  # a chain, shortened near the end of the cache
