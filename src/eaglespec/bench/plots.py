@@ -58,26 +58,46 @@ def _legend(ax: Axes) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
-def plot_speedup(path: Path, summary: BenchSummary, subtitle: str) -> None:
+def _bar_plot(
+    path: Path,
+    summary: BenchSummary,
+    value: Callable[[MethodStats], float | None],
+    *,
+    baseline: str,
+    ylabel: str,
+    title: str,
+) -> None:
+    """Grouped bars of `value` for every drafting method, plain decoding as a dashed line at 1."""
     methods = [m for m in summary.overall if m != PLAIN]
     fig, ax = _bar_figure(summary, methods)
-    _grouped_bars(ax, summary, methods, lambda s: s.speedup)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="plain decoding (1.0x)")
-    ax.set_ylabel("speedup over plain decoding (x)")
-    ax.set_title(f"Speedup by {summary.group_by} (tokens/s over plain's)\n{subtitle}", fontsize=10)
+    _grouped_bars(ax, summary, methods, value)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label=baseline)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     _legend(ax)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def plot_speedup(path: Path, summary: BenchSummary, subtitle: str) -> None:
+    _bar_plot(
+        path,
+        summary,
+        lambda s: s.speedup,
+        baseline="plain decoding (1.0x)",
+        ylabel="speedup over plain decoding (x)",
+        title=f"Speedup by {summary.group_by} (tokens/s over plain's)\n{subtitle}",
+    )
 
 
 def plot_accept_length(path: Path, summary: BenchSummary, subtitle: str) -> None:
-    methods = [m for m in summary.overall if m != PLAIN]
-    fig, ax = _bar_figure(summary, methods)
-    _grouped_bars(ax, summary, methods, lambda s: s.mean_accept_length)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="plain decoding (1 token)")
-    ax.set_ylabel("mean acceptance length\n(tokens per target forward)")
-    ax.set_title(f"Mean acceptance length by {summary.group_by}\n{subtitle}", fontsize=10)
-    _legend(ax)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    _bar_plot(
+        path,
+        summary,
+        lambda s: s.mean_accept_length,
+        baseline="plain decoding (1 token)",
+        ylabel="mean acceptance length\n(tokens per target forward)",
+        title=f"Mean acceptance length by {summary.group_by}\n{subtitle}",
+    )
 
 
 def plot_accept_rate(path: Path, summary: BenchSummary, subtitle: str) -> None:
