@@ -273,30 +273,31 @@ def _events(got: list, n: int, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+def _one_running(llm: LLM, max_tokens: int):
+    """A started scheduler with one request that has produced its first event; its events
+    (event, error) collect in the returned list."""
+    app = create_app(llm, ServeOptions(served_name=NAME))
+    scheduler = app.state.scheduler
+    scheduler.start()
+    got: list = []
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    scheduler.submit([5, 6], params, lambda e, err: got.append((e, err)))
+    _events(got, 1)
+    return scheduler, got
+
+
 def test_shutdown_lets_short_work_finish_then_refuses(llm: LLM) -> None:
     from eaglespec.serve.scheduler import ServerClosingError
 
-    app = create_app(llm, ServeOptions(served_name=NAME))
-    scheduler = app.state.scheduler
-    scheduler.start()
-    got: list = []
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    scheduler.submit([5, 6], params, lambda e, err: got.append((e, err)))
-    _events(got, 1)
+    scheduler, got = _one_running(llm, 6)
     scheduler.stop(grace=60)  # returns when the engine thread has ended
     assert got[-1][1] is None and got[-1][0].output.finish_reason == "length"
     with pytest.raises(ServerClosingError):
-        scheduler.submit([5], params, lambda e, err: None)
+        scheduler.submit([5], SamplingParams(max_tokens=6), lambda e, err: None)
 
 
 def test_shutdown_past_grace_cancels_running_work(llm: LLM) -> None:
-    app = create_app(llm, ServeOptions(served_name=NAME))
-    scheduler = app.state.scheduler
-    scheduler.start()
-    got: list = []
-    params = SamplingParams(max_tokens=100, ignore_eos=True)
-    scheduler.submit([5, 6], params, lambda e, err: got.append((e, err)))
-    _events(got, 1)
+    scheduler, got = _one_running(llm, 100)
     scheduler.stop(grace=0)
     event, error = got[-1]
     assert event is None and "cancelled" in str(error)
