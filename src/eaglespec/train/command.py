@@ -11,6 +11,7 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.registry import DEFAULT_MODEL
 from eaglespec.train.pipeline import STAGES, PipelineConfig, run
 from eaglespec.train.regen import RegenConfig
+from eaglespec.train.synth import SynthConfig
 from eaglespec.train.trainer import TrainConfig
 
 
@@ -38,6 +39,33 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="recast a share of the prompts, e.g. code=0.25 (see train/data.py)",
     )
     p.add_argument("--limit-per-file", type=int, help="first N conversations of each file")
+    p.add_argument(
+        "--synth-prompts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N prompts the target writes itself (Magpie: sampled from an empty user turn)",
+    )
+    p.add_argument(
+        "--summaries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N 'Summarize: ...' prompts over the target's own longest answers",
+    )
+    p.add_argument(
+        "--summary-min-tokens",
+        type=int,
+        default=150,
+        metavar="N",
+        help="only answers at least this long are summarized",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="HEAD",
+        help="continue training this head (its draft vocabulary and capture layers are kept)",
+    )
     p.add_argument("--stop-after", choices=STAGES, default="eval")
     g = p.add_argument_group("regeneration")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -89,6 +117,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         out=args.out,
         variants=_variants(args.variants),
         limit_per_file=args.limit_per_file,
+        synth=SynthConfig(prompts=args.synth_prompts, seed=args.seed),
+        summaries=args.summaries,
+        summary_min_tokens=args.summary_min_tokens,
+        init_from=args.init_from,
         regen=RegenConfig(
             max_prompt_tokens=args.max_prompt_tokens,
             max_new_tokens=args.max_new_tokens,

@@ -15,7 +15,7 @@ import platform
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from torch import nn
 from eaglespec.config import SamplingParams
 from eaglespec.draft.config import DraftConfig, resolve_capture_layers
 from eaglespec.draft.eagle3 import Eagle3Head
-from eaglespec.draft.loader import load_eagle3, save_eagle3
+from eaglespec.draft.loader import LoadedDraft, load_eagle3, save_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.model.loader import LoadedModel, load_model, parse_dtype
@@ -35,6 +35,7 @@ from eaglespec.requests import collect_outputs
 from eaglespec.train.data import read_all, with_variants
 from eaglespec.train.features import FeatureShard, capture_features, load_shard, shard_paths
 from eaglespec.train.regen import RegenConfig, Sample, read_samples, regenerate
+from eaglespec.train.synth import SynthConfig, summary_prompts, synthesize_prompts
 from eaglespec.train.trainer import StepStats, TrainConfig, evaluate, train, world
 from eaglespec.train.vocab import DraftVocab, build_draft_vocab
 
@@ -49,7 +50,11 @@ class PipelineConfig:
     out: Path
     variants: tuple[tuple[str, float], ...] = ()  # (name, share) prompt recasts, data.VARIANTS
     limit_per_file: int | None = None  # first N conversations of each file
+    synth: SynthConfig = field(default_factory=SynthConfig)  # self-asked prompts (synth.py)
     regen: RegenConfig = field(default_factory=RegenConfig)
+    summaries: int = 0  # "Summarize: <answer>" prompts over the target's own long answers
+    summary_min_tokens: int = 150  # answers at least this long are summarized
+    init_from: Path | None = None  # a head to continue training (its draft vocabulary is kept)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
     capture: tuple[int, ...] | None = None  # boundary ids; default (2, N//2, N-3)
     target_dtype: str = "bfloat16"  # regeneration and capture
@@ -87,15 +92,35 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     if rank == 0:
         convs = read_all(cfg.data) if cfg.limit_per_file is None else _limited(cfg)
         convs = with_variants(convs, dict(cfg.variants))
+        if cfg.synth.prompts:
+            synth = synthesize_prompts(
+                target.model,
+                target.tokenizer,
+                work / "synth_prompts.jsonl",
+                cfg.synth,
+                on_batch=_counter(log, "synth", "prompts"),
+            )
+            report["synth_prompts"] = len(synth)
+            convs += synth
         log(f"regen: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} user turns")
+        responses = work / "responses.jsonl"
+        regen_log = _counter(log, "regen", "turns")
         summary = regenerate(
-            target.model,
-            target.tokenizer,
-            convs,
-            work / "responses.jsonl",
-            cfg.regen,
-            on_batch=_counter(log, "regen", "turns"),
+            target.model, target.tokenizer, convs, responses, cfg.regen, on_batch=regen_log
         )
+        if cfg.summaries:
+            extra = summary_prompts(
+                target.tokenizer,
+                read_samples(responses),
+                cfg.summaries,
+                cfg.summary_min_tokens,
+                cfg.regen.seed,
+            )
+            log(f"regen: {len(extra)} summaries of the target's own answers")
+            uncapped = replace(cfg.regen, max_samples=None)
+            summary = regenerate(
+                target.model, target.tokenizer, extra, responses, uncapped, on_batch=regen_log
+            )
         report["regen"] = asdict(summary)
         log(f"regen: {summary.samples} responses, {summary.response_tokens} tokens")
     _barrier()
@@ -105,8 +130,12 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
 
     samples = read_samples(work / "responses.jsonl")
     train_s, held_s = split_heldout(samples, cfg.heldout)
-    size_v = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
-    vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size)
+    init = load_eagle3(cfg.init_from, target.model) if cfg.init_from else None
+    if init is not None:  # the head's lm_head rows are tied to its vocabulary: keep both
+        vocab = DraftVocab(torch.arange(len(init.head.d2t)) + init.head.d2t.cpu(), tcfg.vocab_size)
+    else:
+        size_v = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
+        vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size)
     report["data"] = {
         "samples": len(samples),
         "train_samples": len(train_s),
@@ -137,6 +166,9 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     train_f = [by_key[s.key] for s in train_s if s.key in by_key]
     held_f = [by_key[s.key] for s in held_s if s.key in by_key]
     head = build_head(target, vocab, len(capture), cfg.device)
+    if init is not None:
+        init_head(head, init, capture)
+        log(f"train: continuing from the head in {cfg.init_from}")
     curve: list[dict[str, Any]] = []
     heldout_curve: list[dict[str, Any]] = []
     history = train(
@@ -196,6 +228,21 @@ def build_head(target: LoadedModel, vocab: DraftVocab, num_aux: int, device: str
         head.norm.weight.copy_(model.norm.weight.detach().float())
         head.d2t.copy_(vocab.d2t)
     return head
+
+
+def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> None:
+    """Copy a saved head's weights into `head` (built by build_head with the saved head's
+    vocabulary) as fp32 master weights; the embedding stays the target's."""
+    if tuple(init.capture) != tuple(capture):
+        raise ValueError(
+            f"the head to continue captures layers {list(init.capture)}, this run {list(capture)}"
+        )
+    own = {
+        k: v.float() if v.is_floating_point() else v
+        for k, v in init.head.state_dict().items()
+        if not k.startswith("embed.")
+    }
+    head.load_state_dict(own, strict=False)
 
 
 def heldout_acceptance(cfg: PipelineConfig, held: Sequence[Sample], log: Log) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+"""Prompts the target writes itself, for domains the prompt files do not cover.
+
+Two kinds, both from the target alone (no outside data, never the evaluation sets):
+
+- **Self-asked questions** (Magpie, Xu et al. 2024): the chat template rendered up to the start of
+  a user message, with nothing after it, is a context in which an instruction-tuned model writes
+  the kind of request it was tuned on. Sampled at temperature 1, one per seed, these cover open
+  writing, advice, QA and code far more widely than a few hundred seed tasks.
+- **Summaries of its own answers**: "Summarize: <text>" over the longest regenerated responses,
+  so the head also learns summarization, where the answer copies from a long context.
+
+Self-asked prompts are appended to `synth_prompts.jsonl` (one JSON object per line, `turns` as in
+FastChat questions, plus the seed) as each batch finishes, so an interrupted run keeps what it has.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from eaglespec.config import SamplingParams
+from eaglespec.generate import generate_stream
+from eaglespec.model.llama import Transformer
+from eaglespec.requests import collect_outputs
+from eaglespec.tokenizer import Tokenizer
+from eaglespec.train.data import Conversation
+from eaglespec.train.regen import Sample
+
+_SENTINEL = "\x00eaglespec-user-turn\x00"
+SUMMARIZE = "Summarize: {text}"
+
+
+@dataclass(frozen=True, slots=True)
+class SynthConfig:
+    prompts: int = 0  # self-asked prompts to have in the file
+    max_tokens: int = 128  # a longer one is cut and dropped
+    temperature: float = 1.0
+    top_p: float = 0.99
+    batch: int = 64
+    min_words: int = 4
+    seed: int = 0
+
+
+def user_turn_prefix(tokenizer: Tokenizer) -> list[int]:
+    """Ids of the chat template rendered up to where a user message's text begins (the default
+    system prompt included, as the model sees it in a real chat)."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}], add_generation_prompt=False
+    )
+    return tokenizer.encode(text[: text.index(_SENTINEL)], add_special=False)
+
+
+def read_synth_prompts(path: Path) -> list[Conversation]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(Conversation(tuple(d["turns"]), f"synth:{d['seed']}"))
+    return out
+
+
+def synthesize_prompts(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    path: Path,
+    cfg: SynthConfig,
+    *,
+    on_batch: Callable[[int, int], None] | None = None,  # (prompts kept, tokens) per batch
+) -> list[Conversation]:
+    """Sample self-asked prompts until `path` holds `cfg.prompts` of them; returns them all.
+    Kept: ended by the model itself (end of turn), at least `min_words` words, not a duplicate.
+    Gives up after drawing 4x `cfg.prompts` samples this call (a model that rarely ends a user
+    turn by itself), returning what it has."""
+    have = read_synth_prompts(path)
+    seen = {c.turns[0] for c in have}
+    prefix = user_turn_prefix(tokenizer)
+    seed = cfg.seed * 1_000_000 + max((int(c.source.split(":")[1]) for c in have), default=-1) + 1
+    budget = 4 * max(cfg.prompts - len(have), 0)
+    with path.open("a") as f:
+        while len(have) < cfg.prompts and budget > 0:
+            budget -= cfg.batch
+            seeds = list(range(seed, seed + cfg.batch))
+            seed += cfg.batch
+            params = [
+                SamplingParams(
+                    max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=s
+                )
+                for s in seeds
+            ]
+            outs = collect_outputs(generate_stream(model, tokenizer, [prefix] * len(seeds), params))
+            kept = 0
+            for s, o in zip(seeds, outs, strict=True):
+                text = o.text.strip()
+                if o.finish_reason != "stop" or len(text.split()) < cfg.min_words or text in seen:
+                    continue
+                seen.add(text)
+                have.append(Conversation((text,), f"synth:{s}"))
+                f.write(json.dumps({"seed": s, "turns": [text]}) + "\n")
+                kept += 1
+                if len(have) >= cfg.prompts:
+                    break
+            f.flush()
+            if on_batch is not None:
+                on_batch(kept, sum(len(o.token_ids) for o in outs))
+    return have[: cfg.prompts]
+
+
+def summary_prompts(
+    tokenizer: Tokenizer, samples: Sequence[Sample], count: int, min_tokens: int, seed: int = 0
+) -> list[Conversation]:
+    """`count` summarization prompts over a seeded choice of responses with at least
+    `min_tokens` tokens that ended by themselves; the source names the answer summarized."""
+    pool = [
+        s
+        for s in samples
+        if s.finish == "stop" and len(s.response) >= min_tokens and ":summarize" not in s.key
+    ]
+    random.Random(f"{seed}:summarize").shuffle(pool)
+    return [
+        Conversation(
+            (SUMMARIZE.format(text=tokenizer.decode(s.response).strip()),), f"{s.key}:summarize"
+        )
+        for s in pool[:count]
+    ]

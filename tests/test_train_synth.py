@@ -1,0 +1,143 @@
+"""Self-written training prompts (train/synth.py) and continuing a saved head (`--init-from`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglespec.draft.config import default_capture
+from eaglespec.draft.loader import load_eagle3, random_eagle3, save_eagle3
+from eaglespec.train.regen import Sample
+from eaglespec.train.synth import (
+    SUMMARIZE,
+    SynthConfig,
+    read_synth_prompts,
+    summary_prompts,
+    synthesize_prompts,
+    user_turn_prefix,
+)
+from helpers import tiny_target
+
+V = 96
+EOS = 3
+
+
+class WordTokenizer:
+    """A chat tokenizer over a tiny vocabulary: id i reads "w<i>", characters encode to
+    ord(c) % V, the template is ChatML-like with a system turn."""
+
+    eos_ids = (EOS,)
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True):  # type: ignore[no-untyped-def]
+        text = "<sys>be brief<end>"
+        for m in messages:
+            text += f"<{m['role']}>{m['content']}<end>"
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        return [ord(c) % V for c in text]
+
+    def decode(self, ids, *, skip_special: bool = True) -> str:  # type: ignore[no-untyped-def]
+        return " ".join(f"w{i}" for i in ids if not (skip_special and i == EOS))
+
+    def stream_decoder(self, prompt_ids=()):  # type: ignore[no-untyped-def]
+        tok = self
+
+        class _Decoder:
+            def push(self, tid: int) -> str:
+                return "" if tid == EOS else tok.decode([tid]) + " "
+
+            def flush(self) -> str:
+                return ""
+
+        return _Decoder()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_user_turn_prefix_is_the_template_before_the_user_text() -> None:
+    tok = WordTokenizer()
+    assert user_turn_prefix(tok) == tok.encode("<sys>be brief<end><user>")
+
+
+def test_synthesized_prompts_end_by_themselves_are_unique_and_resume(tmp_path: Path) -> None:
+    target = tiny_target(0, vocab=V, layers=2)
+    tok = WordTokenizer()
+    path = tmp_path / "synth.jsonl"
+    cfg = SynthConfig(prompts=4, max_tokens=64, batch=8, min_words=2)
+    first = synthesize_prompts(target, tok, path, cfg)
+    assert len(first) == 4
+    texts = [c.turns[0] for c in first]
+    assert len(set(texts)) == 4 and all(len(t.split()) >= 2 for t in texts)
+    assert all(c.source.startswith("synth:") for c in first)
+    # Resuming to a larger count keeps the first four and draws new seeds after the last one.
+    more = synthesize_prompts(target, tok, path, SynthConfig(**{**_fields(cfg), "prompts": 6}))
+    assert more[:4] == first and len(more) == 6
+    assert len({c.source for c in more}) == 6
+    assert read_synth_prompts(path) == more
+    seeds = [json.loads(line)["seed"] for line in path.read_text().splitlines()]
+    assert seeds == sorted(seeds)
+
+
+def test_synthesis_gives_up_when_the_model_never_ends_a_turn(tmp_path: Path) -> None:
+    target = tiny_target(0, vocab=V, layers=2)
+    tok = WordTokenizer()
+    cfg = SynthConfig(prompts=5, max_tokens=4, batch=8, min_words=50)  # nothing qualifies
+    assert synthesize_prompts(target, tok, tmp_path / "s.jsonl", cfg) == []
+
+
+def test_summary_prompts_pick_long_finished_answers() -> None:
+    tok = WordTokenizer()
+    samples = [
+        Sample("a:1#0", [1], [5] * 10 + [EOS], "stop"),
+        Sample("a:2#0", [1], [6] * 3, "stop"),  # too short
+        Sample("a:3#0", [1], [7] * 12, "length"),  # cut off
+        Sample("a:4#0:summarize#0", [1], [8] * 12, "stop"),  # already a summary
+        Sample("a:5#0", [1], [9] * 11, "stop"),
+    ]
+    got = summary_prompts(tok, samples, count=5, min_tokens=8)
+    assert sorted(c.source for c in got) == ["a:1#0:summarize", "a:5#0:summarize"]
+    by = {c.source: c.turns[0] for c in got}
+    assert by["a:1#0:summarize"] == SUMMARIZE.format(text=" ".join(["w5"] * 10))
+    assert summary_prompts(tok, samples, count=1, min_tokens=8) == summary_prompts(
+        tok, samples, count=1, min_tokens=8
+    )
+
+
+def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
+    """What the pipeline's --init-from does: the saved head's trainable weights and vocabulary
+    come back into a fresh fp32 head built around the target's embedding."""
+    from eaglespec.train.pipeline import build_head, init_head
+    from eaglespec.train.vocab import DraftVocab
+
+    target = tiny_target(0, vocab=V, layers=4)
+    capture = default_capture(4)
+    saved = random_eagle3(target, draft_vocab_size=32, seed=3)
+    folder = save_eagle3(saved, tmp_path / "h", capture, num_target_layers=4)
+    loaded = load_eagle3(folder, target)
+
+    class _Loaded:
+        model, config = target, target.cfg
+
+    vocab = DraftVocab(torch.arange(32) + loaded.head.d2t, V)
+    head = build_head(_Loaded(), vocab, 3, "cpu")  # type: ignore[arg-type]
+    init_head(head, loaded, capture)
+    mine = head.state_dict()
+    for name, t in saved.state_dict().items():
+        if not name.startswith("embed."):
+            assert torch.equal(mine[name].to(t.dtype), t), name
+    with pytest.raises(ValueError, match="captures layers"):
+        init_head(head, loaded, (0, 1, 2))
+
+
+def _fields(cfg: SynthConfig) -> dict[str, object]:
+    return {f: getattr(cfg, f) for f in cfg.__slots__}  # type: ignore[attr-defined]
