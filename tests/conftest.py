@@ -82,3 +82,13 @@ def real_gguf() -> Path:
     if not Path(override).is_file():
         pytest.skip(f"EAGLESPEC_TEST_GGUF={override} not present")
     return Path(override)
+
+
+@pytest.fixture(autouse=True)
+def _calibration_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
+    """Stored calibrations (calibration.py) go to a per-session temporary folder, never the
+    user's cache: a test run must not leave a machine's draft-shape choice behind."""
+    import eaglespec.calibration as calibration
+
+    folder = tmp_path_factory.getbasetemp() / "eaglespec-cache"
+    monkeypatch.setattr(calibration, "cache_dir", lambda: folder)

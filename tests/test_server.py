@@ -27,7 +27,14 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def llm(tiny_hf_folder: Path) -> LLM:
-    return LLM(str(tiny_hf_folder), progress=False, method="eagle3", draft="random", num_draft=3)
+    return LLM(
+        str(tiny_hf_folder),
+        progress=False,
+        method="eagle3",
+        draft="random",
+        num_draft=3,
+        speculation="adaptive",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def llm() -> LLM:
     path = pull(NAME, progress=False)
     head = packaged_head(NAME)
     assert head is not None
-    return LLM(str(path), progress=False, method="eagle3", draft=str(head))
+    return LLM(str(path), progress=False, method="eagle3", draft=str(head), speculation="adaptive")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Command line: `eaglespec generate|pull|train|export|serve|bench`.
+"""Command line: `eaglespec generate|chat|pull|train|export|serve|bench`.
 
 Errors a user can act on print as one line, with exit code 2.
 """
@@ -9,15 +9,24 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from eaglespec.bench.command import add_bench_parser, cmd_bench
+from eaglespec.calibration import CalibrationStore
+from eaglespec.chat import add_chat_parser, cmd_chat
 from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
 from eaglespec.config import SamplingParams
 from eaglespec.errors import EaglespecError
+from eaglespec.generate import generate_stream
 from eaglespec.registry import MODELS, list_models, pull
+from eaglespec.requests import RequestOutput, collect_outputs
 from eaglespec.serve.command import add_serve_parser, cmd_serve
 from eaglespec.train.command import add_train_parser, cmd_train
 from eaglespec.train.export import add_export_parser, cmd_export
+
+if TYPE_CHECKING:
+    from eaglespec.llm import LLM
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -36,7 +45,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     add_model_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    add_speculation_args(p)
+    p.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after a speculative run, decode the same prompt plainly and report the measured "
+        "speedup (and, when greedy, whether the outputs are identical). Default: on when "
+        "streaming with a draft, off with --json",
+    )
+    add_speculation_args(p, default_method="eagle3 with the head shipped for the model, else none")
 
 
 def _add_pull(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -51,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    add_chat_parser(sub)
     _add_pull(sub)
     add_train_parser(sub)
     add_export_parser(sub)
@@ -72,10 +90,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    llm = load_llm(args, progress=not args.json)
-    if llm.draft_report and not args.json:
-        print(f"[{llm.method}: {llm.draft_report}]", file=sys.stderr)
+    if args.repetition_penalty != 1 and args.method is None and args.draft is None:
+        args.draft = "none"  # the penalty needs plain decoding; only an explicit draft refuses
+    llm = load_llm(args, progress=not args.json, default_method="eagle3")
+
+    def say(line: str) -> None:
+        if not args.json:
+            print(line, file=sys.stderr)
+
+    if llm.draft_report:
+        say(f"[{llm.method}: {llm.draft_report}]")
+    calibration = CalibrationStore.open(llm, say)
     ids = llm.encode(prompt, chat=not args.raw, system=args.system)
+    speculating = llm.proposer is not None and llm.speculation != "off"
+    compare = speculating and (not args.json if args.compare is None else args.compare)
+    if compare:  # warm both paths up, so neither timing pays for first-call setup
+        llm.generate([ids], replace(params, max_tokens=2))
+        plain_run(llm, ids, replace(params, max_tokens=2))
     output = None
     for event in llm.stream([ids], params):
         if not args.json:
@@ -83,7 +114,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         output = event.output or output
     assert output is not None
+    calibration.save()
+    baseline = plain_run(llm, ids, params) if compare else None
     stats = {**output.stats.to_dict(), "load_seconds": llm.loaded.seconds}
+    comparison = _comparison(output, baseline, params) if baseline is not None else None
     if args.json:
         result = {
             "model": str(llm.loaded.path),
@@ -93,24 +127,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "finish_reason": output.finish_reason,
             "stats": stats,
             "method": llm.method,
+            "speculation": llm.speculation if speculating else "off",
             "draft": llm.draft_report,
+            "plain": comparison,
         }
         print(json.dumps(result))
-    else:
-        print()
-        print(
-            f"[{stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tok/s decode, "
-            f"prefill {stats['prefill_seconds']:.2f} s ({stats['prompt_tokens']} tokens), "
-            f"load {stats['load_seconds']:.2f} s, {output.finish_reason}"
-            + (
-                f", {llm.method}: mean acceptance length {stats['mean_accept_length']:.2f} "
-                f"over {stats['rounds']} rounds]"
-                if output.stats.rounds
-                else "]"
-            ),
-            file=sys.stderr,
+        return 0
+    print()
+    say(
+        f"[{stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tok/s decode, "
+        f"prefill {stats['prefill_seconds']:.2f} s ({stats['prompt_tokens']} tokens), "
+        f"load {stats['load_seconds']:.2f} s, {output.finish_reason}"
+        + (
+            f", {llm.method}: mean acceptance length {stats['mean_accept_length']:.2f} "
+            f"over {stats['rounds']} rounds]"
+            if output.stats.rounds
+            else "]"
+        )
+    )
+    if comparison is not None:
+        same = {True: ", same output", False: ", OUTPUT DIFFERS", None: ""}[comparison["identical"]]
+        say(
+            f"[plain decoding of the same prompt: {comparison['tokens_per_second']:.1f} tok/s; "
+            f"speculative speedup {comparison['speedup']:.2f}x{same}]"
         )
     return 0
+
+
+def plain_run(llm: LLM, ids: list[int], params: SamplingParams) -> RequestOutput:
+    """The same request decoded without drafting, for the measured comparison."""
+    return collect_outputs(generate_stream(llm.model, llm.tokenizer, [ids], [params]))[0]
+
+
+def _comparison(
+    spec: RequestOutput, plain: RequestOutput, params: SamplingParams
+) -> dict[str, Any]:
+    """Decode speeds of the two runs; identical outputs are only promised for greedy decoding."""
+    rate = plain.stats.tokens_per_second
+    return {
+        "tokens_per_second": rate,
+        "new_tokens": len(plain.token_ids),
+        "speedup": spec.stats.tokens_per_second / rate if rate else 0.0,
+        "identical": spec.token_ids == plain.token_ids if params.temperature == 0 else None,
+    }
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -127,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {
         "generate": cmd_generate,
+        "chat": cmd_chat,
         "pull": cmd_pull,
         "train": cmd_train,
         "export": cmd_export,

@@ -13,6 +13,7 @@ from eaglespec.heads import packaged_head
 from eaglespec.methods import METHODS
 from eaglespec.model.llama import COMPILE_MODES
 from eaglespec.model.quant import QUANT_MODES
+from eaglespec.policy import SPECULATION_MODES
 from eaglespec.registry import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -81,6 +82,15 @@ def add_speculation_args(p: argparse.ArgumentParser, *, default_method: str = "n
         help="draft an EAGLE-2 dynamic tree instead of a chain, e.g. 4,4,16 (eagle3 only)",
     )
     spec.add_argument(
+        "--speculation",
+        choices=SPECULATION_MODES,
+        default="adaptive",
+        help="adaptive (default): each round drafts the chain length (0 = none) or the tree "
+        "that the measured round times and observed acceptance say is fastest, starting from "
+        "the calibration stored for this model and machine if there is one; on: the "
+        "configured chain or tree every round; off: plain decoding",
+    )
+    spec.add_argument(
         "--capture",
         metavar="B1,B2,B3",
         help="override the target layers the EAGLE-3 head reads (boundary indices)",
@@ -112,14 +122,15 @@ def load_llm(args: argparse.Namespace, *, progress: bool, default_method: str = 
         num_draft=args.draft_tokens,
         tree=tree_config(args.tree, "--tree") if args.tree else None,
         capture=int_list(args.capture, "--capture") if args.capture else None,
+        speculation=args.speculation,
     )
 
 
 def method_and_draft(model: str, method: str | None, draft: str | None) -> tuple[str, str | None]:
     """`--method eagle3` without --draft drafts with the EAGLE-3 head shipped for the model
-    (heads/). With neither flag decoding stays plain: the shipped SmolLM2 head accepts 1.2-1.9
-    tokens per forward, which on a 2-core CPU runs at about half plain decoding's speed
-    (BENCHMARKS.md), so drafting is not the default until a head measurably pays."""
+    (heads/). With neither flag this gives plain decoding; the commands' own default (eagle3
+    with the shipped head under adaptive speculation, which drafts only when measured rounds
+    say it pays) is applied before this, in `load_llm`."""
     if draft == "none":
         return method or "none", None
     if draft is None and method == "eagle3":

@@ -25,6 +25,7 @@ from eaglespec.draft.base import Proposer, TreeProposer
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import next_tokens, pad_right
 from eaglespec.model.llama import ForwardOutput, Transformer
+from eaglespec.policy import DraftChoice, DraftPolicy
 from eaglespec.requests import (
     RequestState,
     StreamEvent,
@@ -122,14 +123,22 @@ def generate_speculative(
     *,
     num_draft: int,
     tree: TreeConfig | None = None,
+    policy: DraftPolicy | None = None,
 ) -> Iterator[StreamEvent]:
     """Like `generate.generate_stream`, with a chain of k = num_draft draft tokens per round, or
-    an EAGLE-2 dynamic tree of `tree.num_nodes` tokens when `tree` is given."""
+    an EAGLE-2 dynamic tree of `tree.num_nodes` tokens when `tree` is given. A `policy`
+    (policy.py) picks each round's shape instead, up to that size, and learns from the rounds."""
     check_speculation(proposer, params, tree)
     runner = BatchRunner(target, proposer, tokenizer, max_draft=draft_width(num_draft, tree))
     yield from runner.join(prompts, params, range(len(prompts)))
+    fixed = DraftChoice(num_draft, tree)
     while runner.seqs:
-        yield from runner.round(num_draft, tree).events
+        batch = len(runner.seqs)
+        choice = fixed if policy is None else policy.choose(batch)
+        report = runner.round(choice.num_draft, choice.tree)
+        if policy is not None:
+            policy.observe(batch, choice, report.seconds, report.output.accepted)
+        yield from report.events
 
 
 def check_speculation(

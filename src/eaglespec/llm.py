@@ -15,6 +15,7 @@ from eaglespec.generate import generate_stream
 from eaglespec.methods import make_proposer
 from eaglespec.model.llama import Transformer, check_compile_mode
 from eaglespec.model.loader import LoadedModel, load_model
+from eaglespec.policy import DraftPolicy, make_policy
 from eaglespec.registry import DEFAULT_MODEL, resolve_model
 from eaglespec.requests import RequestOutput, StreamEvent, collect_outputs
 from eaglespec.tokenizer import Tokenizer
@@ -49,17 +50,22 @@ class LLM:
         num_draft: int = 4,
         tree: TreeConfig | None = None,
         capture: Sequence[int] | None = None,
+        speculation: str = "on",
     ) -> None:
         """Speculative decoding: `method` "eagle3" (with `draft` an EAGLE-3 checkpoint folder, or
         "random" for a seeded random head, which tests the mechanics but accepts little),
         "draft-model" (`draft` a smaller model with the same tokenizer), "lookup" (prompt
         n-grams) or "none". Default: "eagle3" when `draft` is given, else "none". `num_draft`
         tokens per round in a chain, or an EAGLE-2 tree of shape `tree` (eagle3 only);
-        `capture` overrides the head's target layers (boundary indices)."""
+        `capture` overrides the head's target layers (boundary indices). `speculation` "on"
+        drafts that shape every round, "adaptive" picks each round's chain length (or the tree)
+        from measured round times and observed acceptance (policy.py; the policy lives with
+        this LLM and keeps learning across calls), "off" decodes plainly."""
         self.loaded: LoadedModel = load_model(
             resolve_model(model, progress=progress), dtype=dtype, device=device, quant=quant
         )
         self.method = method or ("eagle3" if draft else "none")
+        self.draft, self.quant, self.compile = draft, quant, compile
         self.num_draft = num_draft
         self.tree = tree
         check_compile_mode(compile)  # before the draft loads, not after
@@ -70,6 +76,10 @@ class LLM:
         if isinstance(spec.proposer, DraftModelProposer):
             spec.proposer.model.compile_steps(compile)
         self.proposer: Proposer | None = spec.proposer
+        self.speculation = speculation
+        self.policy: DraftPolicy = make_policy(
+            speculation, num_draft, tree, has_draft=self.proposer is not None
+        )
         self.draft_report = spec.report  # one line on the draft, "" for plain decoding
 
     @property
@@ -101,7 +111,7 @@ class LLM:
         chat: bool = True,
     ) -> Iterator[StreamEvent]:
         ids, plist = self._requests(prompts, params, chat)
-        if self.proposer is None:
+        if self.proposer is None or self.speculation == "off":
             return generate_stream(self.model, self.tokenizer, ids, plist)
         return generate_speculative(
             self.model,
@@ -111,6 +121,7 @@ class LLM:
             plist,
             num_draft=self.num_draft,
             tree=self.tree,
+            policy=self.policy,
         )
 
     def generate(

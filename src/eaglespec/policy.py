@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
@@ -117,6 +118,14 @@ class AdaptiveDraft:
             self.rounds_without_drafts = 0
         return best
 
+    def best(self, batch: int) -> DraftChoice | None:
+        """The measured arm with the highest expected rate at this batch size (no exploring or
+        probing); None while some arm is unmeasured there."""
+        bucket = _bucket(batch)
+        if any(bucket not in self.arms[c].seconds for c in self.choices):
+            return None
+        return max(self.choices, key=lambda c: self.rate(c, bucket))
+
     def rate(self, choice: DraftChoice, bucket: int) -> float:
         """Expected tokens per row per second at this batch bucket (measured arms only)."""
         return self.expected_tokens(choice) / self.arms[choice].seconds[bucket]
@@ -143,10 +152,48 @@ class AdaptiveDraft:
                 self.proposed[j] += 1.0
                 self.accepted[j] += float(j < a)
 
+    def record(self, choice: DraftChoice, batch: int, seconds: float, tokens: float) -> None:
+        """Set an arm's measured mean round time at this batch size (and, for the tree, its mean
+        tokens per round), replacing the moving averages: what a calibration run measured."""
+        arm = self.arms[choice]
+        arm.seconds[_bucket(batch)] = seconds
+        if choice.tree is not None:
+            arm.tokens = tokens
 
-def make_policy(
-    mode: str, num_draft: int, tree: TreeConfig | None, has_draft: bool
-) -> FixedDraft | AdaptiveDraft:
+    def state(self) -> dict[str, Any]:
+        """What the policy has learned, as JSON-able data (calibration.py stores it)."""
+        return {
+            "max_draft": self.max_draft,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "arms": [
+                {
+                    "choice": c.name,
+                    "seconds": {str(b): s for b, s in self.arms[c].seconds.items()},
+                    "tokens": self.arms[c].tokens,
+                }
+                for c in self.choices
+            ],
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Start from a stored `state()`: arms and draft positions this policy does not have are
+        ignored, so a stored state from a longer chain or another tree still seeds the rest."""
+        n = min(self.max_draft, len(state["proposed"]))
+        self.proposed[:n] = [float(x) for x in state["proposed"][:n]]
+        self.accepted[:n] = [float(x) for x in state["accepted"][:n]]
+        by_name = {c.name: c for c in self.choices}
+        for arm in state["arms"]:
+            choice = by_name.get(arm["choice"])
+            if choice is not None:
+                self.arms[choice].seconds = {int(b): float(s) for b, s in arm["seconds"].items()}
+                self.arms[choice].tokens = arm["tokens"]
+
+
+DraftPolicy = FixedDraft | AdaptiveDraft
+
+
+def make_policy(mode: str, num_draft: int, tree: TreeConfig | None, has_draft: bool) -> DraftPolicy:
     """`mode` "adaptive", "on" (the configured shape every round) or "off"; without a draft only
     "off" runs."""
     if mode not in SPECULATION_MODES:

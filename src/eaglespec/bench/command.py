@@ -62,18 +62,70 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--group-by", choices=GROUPINGS, default="category", help="table rows")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     p.add_argument("--num-draft", "--draft-tokens", dest="num_draft", type=int, default=4)
-    p.add_argument("--tree", default="4,4,16", metavar="DEPTH,TOPK,NODES", help="eagle3-tree")
+    p.add_argument(
+        "--tree",
+        metavar="DEPTH,TOPK,NODES",
+        help="eagle3-tree's shape (default 4,4,16); with --calibrate, a tree arm to measure too",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="instead of benchmarking: measure each draft length (and --tree) on the questions' "
+        "first turns and store the result for this model and machine; `generate`, `chat` and "
+        "`serve` with adaptive speculation start from it (docs/calibration.md)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+DEFAULT_TREE = "4,4,16"
+
+
+def _calibrate(args: argparse.Namespace, questions: list[Question]) -> int:
+    """`--calibrate`: the adaptive policy's arms measured on the first turns, then stored."""
+    from eaglespec.calibration import calibrate, calibration_key, save_calibration
+    from eaglespec.llm import LLM
+
+    head = args.draft or packaged_head(args.model)
+    if head is None:
+        raise InvalidRequestError(f"no EAGLE-3 head ships for {args.model}; pass --draft HEAD")
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quant=args.quant,
+        compile=args.compile,
+        progress=not args.quiet,
+        method="eagle3",
+        draft=str(head),
+        num_draft=args.num_draft,
+        tree=tree_config(args.tree, "--tree") if args.tree else None,
+        speculation="adaptive",
+    )
+    prompts = [llm.encode(q.turns[0]) for q in questions]
+    if not args.quiet:
+        print(f"calibrating on {len(prompts)} prompts x {args.max_tokens} tokens", file=sys.stderr)
+    policy, arms = calibrate(llm, prompts, args.max_tokens)
+    path = save_calibration(calibration_key(llm), policy, "calibrate")
+    print("| draft | rounds | ms per round | tokens per round | tokens/s |")
+    print("|---|---|---|---|---|")
+    for a in arms:
+        print(
+            f"| {a.choice} | {a.rounds} | {a.seconds_per_round * 1e3:.1f} | "
+            f"{a.tokens_per_round:.2f} | {a.tokens_per_second:.1f} |"
+        )
+    best = policy.best(1)
+    print(f"best at batch 1: {best.name if best else '-'}; stored in {path}")
+    return 0
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces `args`, every option spelled out."""
     parts = ["eaglespec", "bench", "--questions", *args.questions, "--model", args.model]
     parts += ["--methods", *args.methods] if args.methods else []
-    for flag in ("draft", "draft_model", "limit", "threads"):
+    for flag in ("draft", "draft_model", "limit", "threads", "tree"):
         value = getattr(args, flag)
         parts += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
-    for flag in ("max_tokens", "temperature", "seed", "group_by", "out", "num_draft", "tree"):
+    for flag in ("max_tokens", "temperature", "seed", "group_by", "out", "num_draft"):
         parts += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("dtype", "device", "quant", "compile"):
         parts += [f"--{flag}", str(getattr(args, flag))]
@@ -87,10 +139,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     parse_dtype(args.dtype)
     check_quant_mode(args.quant)
     check_compile_mode(args.compile)
-    tree = tree_config(args.tree, "--tree")
+    tree = tree_config(args.tree or DEFAULT_TREE, "--tree")
     if args.num_draft < 1:
         raise InvalidRequestError(f"--num-draft must be >= 1, got {args.num_draft}")
     questions = read_all(args.questions, args.limit)
+    if args.calibrate:
+        return _calibrate(args, questions)
     head = args.draft or packaged_head(args.model)
     drafts = DraftSources(eagle3=str(head) if head else None, draft_model=args.draft_model)
     names = check_methods(args.methods or default_methods(drafts), drafts)
@@ -150,7 +204,7 @@ def _write(
         "temperature": args.temperature,
         "seed": args.seed,
         "num_draft": args.num_draft,
-        "tree": args.tree,
+        "tree": args.tree or DEFAULT_TREE,
         "memory_scope": memory_scope,
     }
     data = results_dict(

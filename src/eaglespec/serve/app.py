@@ -52,7 +52,7 @@ class ServeOptions:
     max_seqs: int = 16  # sequences decoding together at most
     max_queue: int = 64  # requests waiting at most; more get 429
     max_model_len: int | None = None  # prompt + output tokens per request (default: the model's)
-    speculation: str = "adaptive"  # adaptive | on | off (see policy.py)
+    speculation: str | None = None  # adaptive | on | off (policy.py); None: the LLM's policy
     shutdown_grace: float = 10.0  # seconds running requests get to finish at shutdown
 
 
@@ -79,7 +79,11 @@ def create_app(llm: LLM, options: ServeOptions) -> FastAPI:
     limit = llm.config.context_limit
     max_len = min(limit, options.max_model_len or limit)
     metrics = ServerMetrics()
-    policy = make_policy(options.speculation, llm.num_draft, tree, llm.proposer is not None)
+    policy = (
+        llm.policy
+        if options.speculation is None
+        else make_policy(options.speculation, llm.num_draft, tree, llm.proposer is not None)
+    )
     runner = BatchRunner(llm.model, proposer, llm.tokenizer, max_draft=max_draft)
     scheduler = Scheduler(
         runner, policy, metrics, max_seqs=options.max_seqs, max_queue=options.max_queue

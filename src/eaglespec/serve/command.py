@@ -8,7 +8,6 @@ from pathlib import Path
 
 from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
 from eaglespec.errors import InvalidRequestError
-from eaglespec.policy import SPECULATION_MODES
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -29,13 +28,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--max-model-len",
         type=int,
         help="prompt + output tokens per request (default: the model's context)",
-    )
-    p.add_argument(
-        "--speculation",
-        choices=SPECULATION_MODES,
-        default="adaptive",
-        help="adaptive: pick the draft length (0 = none) each round from measured round times "
-        "and observed acceptance; on: the configured chain or tree every round; off: plain",
     )
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds to finish work")
     add_speculation_args(p, default_method="eagle3 with the head shipped for the model, else none")
@@ -60,7 +52,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_seqs=args.max_seqs,
         max_queue=args.max_queue,
         max_model_len=args.max_model_len,
-        speculation=args.speculation,
         shutdown_grace=args.shutdown_grace,
     )
     app = create_app(llm, options)

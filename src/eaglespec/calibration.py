@@ -1,0 +1,212 @@
+"""The draft shape that pays on this machine, measured once and stored per model, draft and
+machine, so `eaglespec generate` starts from it instead of guessing.
+
+`calibrate` decodes a few prompts once per arm of the adaptive policy (policy.py): plain steps
+(k = 0), chains of 1 .. k drafts and the configured EAGLE-2 tree, at batch 1. From those rounds it
+records what the policy's cost model needs, measured here, not assumed:
+
+    seconds(k)           mean wall time of a round drafting k tokens (draft steps + one verify
+                         forward of k + 1 tokens + bookkeeping) on this hardware
+    P(accept >= j)       per draft position, from the chain rounds; the tree's mean tokens/round
+
+and the policy's best arm is the one with the highest tokens(k) / seconds(k). The learned state is
+written as JSON under the cache directory, keyed by everything that changes a round's cost or its
+acceptance: the model file, the draft, device, dtype, quantization, compile mode, threads and the
+torch version. `generate` loads it as the adaptive policy's starting point (all arms measured, so
+it skips exploring), keeps adapting to the prompt at hand, and stores the updated state after the
+run: a first run without calibration explores online and leaves a calibration behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from eaglespec.config import SamplingParams
+from eaglespec.engine import generate_speculative
+from eaglespec.paths import cache_dir
+from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft
+from eaglespec.requests import collect_outputs
+
+if TYPE_CHECKING:
+    from eaglespec.llm import LLM
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationKey:
+    model: str  # resolved model path
+    model_bytes: int
+    method: str
+    draft: str | None  # draft path or name
+    num_draft: int
+    tree: str | None
+    device: str
+    dtype: str
+    quant: str
+    compile: str
+    threads: int
+    torch: str
+
+    def file(self) -> Path:
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        return cache_dir() / "calibration" / f"{digest[:20]}.json"
+
+
+def calibration_key(llm: LLM) -> CalibrationKey:
+    path = Path(llm.loaded.path)
+    size = (
+        sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if path.is_dir()
+        else (path.stat().st_size if path.exists() else 0)
+    )
+    tree = llm.tree
+    return CalibrationKey(
+        model=str(path.resolve()) if path.exists() else str(path),
+        model_bytes=size,
+        method=llm.method,
+        draft=llm.draft,
+        num_draft=llm.num_draft,
+        tree=None if tree is None else f"{tree.depth},{tree.top_k},{tree.num_nodes}",
+        device=str(llm.model.device),
+        dtype=str(llm.model.dtype).removeprefix("torch."),
+        quant=llm.quant,
+        compile=llm.compile,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+    )
+
+
+def load_calibration(key: CalibrationKey, policy: AdaptiveDraft) -> dict[str, Any] | None:
+    """Seed `policy` with the stored state for `key`; returns the stored record, or None when
+    there is none (or it cannot be read: a calibration is never worth an error)."""
+    try:
+        record: dict[str, Any] = json.loads(key.file().read_text())
+        policy.load_state(record["policy"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record
+
+
+def save_calibration(key: CalibrationKey, policy: AdaptiveDraft, source: str) -> Path:
+    """Store `policy`'s state for `key` (atomically: a reader never sees half a file)."""
+    path = key.file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "key": asdict(key),
+        "source": source,  # "calibrate" or "generate"
+        "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "best": _name(policy.best(1)),
+        "policy": policy.state(),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+class CalibrationStore:
+    """An LLM's adaptive policy tied to its stored calibration: `open` seeds the policy (and
+    says so), `save` writes what the run taught it. Inert for any other policy."""
+
+    def __init__(self, key: CalibrationKey | None, policy: AdaptiveDraft | None) -> None:
+        self.key, self.policy = key, policy
+
+    @classmethod
+    def open(cls, llm: LLM, say: Callable[[str], None]) -> CalibrationStore:
+        policy = llm.policy
+        if llm.proposer is None or not isinstance(policy, AdaptiveDraft):
+            return cls(None, None)
+        key = calibration_key(llm)
+        record = load_calibration(key, policy)
+        if record is None:
+            say(
+                "[adaptive speculation: no calibration stored for this model and machine yet; "
+                "measuring each draft length during this run (`eaglespec bench --calibrate` "
+                "measures them properly)]"
+            )
+        else:
+            say(
+                f"[adaptive speculation: calibration of {record['saved']} "
+                f"({record['source']}), best at batch 1: {record['best']}]"
+            )
+        return cls(key, policy)
+
+    def save(self) -> None:
+        if self.key is not None and self.policy is not None:
+            # A read-only cache costs the next run its head start, nothing else.
+            with contextlib.suppress(OSError):
+                save_calibration(self.key, self.policy, "generate")
+
+
+@dataclass(frozen=True, slots=True)
+class ArmResult:
+    choice: str
+    rounds: int
+    seconds_per_round: float
+    tokens_per_round: float  # bonus included
+    tokens_per_second: float  # tokens_per_round / seconds_per_round
+
+
+def calibrate(
+    llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int
+) -> tuple[AdaptiveDraft, list[ArmResult]]:
+    """Decode `prompts` (greedy, batch 1, one warm-up first) once per arm; returns the policy
+    holding the measurements and one row per arm."""
+    assert llm.proposer is not None, "calibration needs a draft"
+    policy = AdaptiveDraft(max(1, llm.num_draft), llm.tree)
+    params = SamplingParams(max_tokens=max_tokens)
+    rows = []
+    collect_outputs(llm.stream([prompts[0]], SamplingParams(max_tokens=8)))  # warm-up
+    for choice in policy.choices:
+        seconds: list[float] = []
+        tokens: list[int] = []
+        forced = _Recorder(choice, policy, seconds, tokens)
+        for ids in prompts:
+            collect_outputs(
+                generate_speculative(
+                    llm.model,
+                    llm.proposer,
+                    llm.tokenizer,
+                    [ids],
+                    [params],
+                    num_draft=llm.num_draft,
+                    tree=llm.tree,
+                    policy=forced,
+                )
+            )
+        mean = sum(seconds) / len(seconds)
+        per_round = sum(tokens) / len(tokens)
+        policy.record(choice, 1, mean, per_round)
+        rows.append(ArmResult(choice.name, len(seconds), mean, per_round, per_round / mean))
+    return policy, rows
+
+
+class _Recorder(FixedDraft):
+    """Every round drafts `choice`; the rounds feed `into` (acceptance) and the lists."""
+
+    def __init__(
+        self, choice: DraftChoice, into: AdaptiveDraft, seconds: list[float], tokens: list[int]
+    ) -> None:
+        super().__init__(choice)
+        self.into, self.seconds, self.tokens = into, seconds, tokens
+
+    def observe(
+        self, batch: int, choice: DraftChoice, seconds: float, accepted: Sequence[int]
+    ) -> None:
+        self.into.observe(batch, choice, seconds, accepted)
+        self.seconds.append(seconds)
+        self.tokens.extend(1 + a for a in accepted)
+
+
+def _name(choice: DraftChoice | None) -> str | None:
+    if choice is None:
+        return None
+    return "plain" if choice.num_draft == 0 and choice.tree is None else choice.name
