@@ -9,10 +9,9 @@ import torch
 
 from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer
-from eaglespec.draft.draft_model import DraftModelProposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
-from eaglespec.methods import make_proposer
+from eaglespec.methods import compile_proposer, make_proposer
 from eaglespec.model.llama import Transformer, check_compile_mode
 from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.policy import DraftPolicy, make_policy
@@ -73,8 +72,7 @@ class LLM:
             self.method, draft, self.loaded, capture=capture, quant=quant, progress=progress
         )
         self.loaded.model.compile_steps(compile)
-        if isinstance(spec.proposer, DraftModelProposer):
-            spec.proposer.model.compile_steps(compile)
+        compile_proposer(spec.proposer, compile)
         self.proposer: Proposer | None = spec.proposer
         self.speculation = speculation
         self.policy: DraftPolicy = make_policy(

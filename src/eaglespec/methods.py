@@ -69,3 +69,12 @@ def make_proposer(
         f"{shared if r.shared else ''}), capture {r.capture} ({r.capture_origin})"
     )
     return Speculation(Eagle3Proposer(loaded.head, loaded.capture), line)
+
+
+def compile_proposer(proposer: Proposer | None, mode: str) -> None:
+    """torch.compile what a proposer runs per draft step: a draft model's decode steps, or an
+    EAGLE-3 head's layers ("none" leaves both eager). Prompt lookup has nothing to compile."""
+    if isinstance(proposer, DraftModelProposer):
+        proposer.model.compile_steps(mode)
+    elif isinstance(proposer, Eagle3Proposer):
+        proposer.head.compile_steps(mode)

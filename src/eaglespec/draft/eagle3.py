@@ -44,6 +44,7 @@ from eaglespec.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from eaglespec.model.llama import check_compile_mode
 
 
 @dataclass(slots=True)
@@ -278,6 +279,18 @@ class Eagle3Head(nn.Module):
             y = final(y)
         logits: torch.Tensor = self.lm_head(y).float()  # (B, T', Vd)
         return DraftOutput(logits=logits, prenorm=x)
+
+    def compile_steps(self, mode: str) -> None:
+        """torch.compile the head's layers (the attention + MLP of each, as the target's "block"
+        mode does; any mode other than "none" compiles them, since one layer gains nothing from
+        a whole-forward graph). The host-side cache plan, embedding, fc and lm_head stay eager.
+        Shapes are dynamic: one graph for single-token draft steps, one for longer forwards."""
+        check_compile_mode(mode)
+        if mode == "none":
+            return
+        self.midlayer.compile(dynamic=True)
+        for layer in self.extra_layers:
+            layer.compile(dynamic=True)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids (any shape) -> target-vocab ids: d + d2t[d]."""
