@@ -52,7 +52,7 @@ def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
     right = [3, 1]  # row 0 accepts 3 of 4 drafts, row 1 accepts 1
     proposer = _HalfRightProposer(head, [g[1:] for g in greedy], right)
     seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
-    batch = start_batch(target, proposer, prompts, params, seqs, capacity=32)
+    batch = start_batch(target, proposer, prompts, params, seqs, capacity=32).batch
     out = speculate_round(target, proposer, batch, num_draft=4, tree=None)
     assert out.accepted == right
     for row, (prompt, g) in enumerate(zip(prompts, greedy, strict=True)):

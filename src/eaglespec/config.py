@@ -179,6 +179,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     stop_token_ids: tuple[int, ...] = field(default=())  # extra ids that end generation
+    logprobs: int | None = None  # None: none; n: each token's log-probability + the n best
 
     def __post_init__(self) -> None:
         checks = [
@@ -188,6 +189,10 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                "logprobs must be between 0 and 20 (the most likely tokens reported per token)",
+            ),
         ]
         for ok, msg in checks:
             if not ok:

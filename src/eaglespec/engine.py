@@ -23,7 +23,8 @@ from eaglespec.cache import KVCache
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer, TreeProposer
 from eaglespec.errors import InvalidRequestError
-from eaglespec.generate import next_tokens, pad_right
+from eaglespec.generate import next_tokens, pad_right, step_logprobs
+from eaglespec.logprobs import TokenLogprob, to_host, token_logprobs
 from eaglespec.model.llama import ForwardOutput, Transformer
 from eaglespec.policy import DraftChoice, DraftPolicy
 from eaglespec.requests import (
@@ -78,6 +79,7 @@ class RoundOutput:
     tokens: list[list[int]]  # per row: the accepted draft tokens, then the next root
     draft_seconds: float  # proposing, plus the draft's catch-up after verification
     verify_seconds: float  # the target's forward, verification and the round's host sync
+    logprobs: list[list[TokenLogprob]] | None = None  # per row, one per `tokens` entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,14 +194,18 @@ class BatchRunner:
         capacity = max(
             self.capacity_for(len(p), sp.max_tokens) for p, sp in zip(prompts, params, strict=True)
         )
-        batch = start_batch(self.target, self.proposer, prompts, params, seqs, capacity)
+        started = start_batch(self.target, self.proposer, prompts, params, seqs, capacity)
+        batch = started.batch
         first = batch.roots.tolist()  # sync: the first token of every new row
+        lps = step_logprobs(started.logits, batch.roots, first, seqs)
         now = time.perf_counter()
         events, keep = [], []
         for row, seq in enumerate(seqs):
             seq.started = start
             account_time(seq.out.stats, start, now)
-            event = _emit(seq, [first[row]], self.eos, self.limit)
+            event = _emit(
+                seq, [first[row]], self.eos, self.limit, None if lps is None else lps[row]
+            )
             events.append(event)
             if event.output is None:
                 keep.append(row)
@@ -215,7 +221,8 @@ class BatchRunner:
         """One draft-and-verify round for every row; finished rows leave afterwards."""
         assert self.batch is not None, "round() on an empty batch"
         start = time.perf_counter()
-        result = speculate_round(self.target, self.proposer, self.batch, num_draft, tree)
+        tops = [s.params.logprobs for s in self.seqs]
+        result = speculate_round(self.target, self.proposer, self.batch, num_draft, tree, tops)
         now = time.perf_counter()
         events, keep = [], []
         for row, seq in enumerate(self.seqs):
@@ -223,7 +230,8 @@ class BatchRunner:
                 result.drafted, result.accepted[row], result.draft_seconds, result.verify_seconds
             )
             account_time(seq.out.stats, seq.started, now)
-            event = _emit(seq, result.tokens[row], self.eos, self.limit)
+            lps = None if result.logprobs is None else result.logprobs[row]
+            event = _emit(seq, result.tokens[row], self.eos, self.limit, lps)
             events.append(event)
             if event.output is None:
                 keep.append(row)
@@ -252,7 +260,7 @@ def start_batch(
     params: Sequence[SamplingParams],
     seqs: Sequence[RequestState],
     capacity: int,
-) -> SpecBatch:
+) -> StartedBatch:
     """Target prefill (ragged, capturing what the proposer reads), first tokens, proposer start."""
     device = target.device
     cache = target.new_cache(len(prompts), capacity)
@@ -266,7 +274,13 @@ def start_batch(
     cache.advance(lengths)
     roots = next_tokens(out.logits[:, 0], st, None, generators)
     draft = proposer.start(ids, roots, out.hidden, lengths, capacity)
-    return SpecBatch(cache, draft, roots, st, generators)
+    return StartedBatch(SpecBatch(cache, draft, roots, st, generators), out.logits[:, 0])
+
+
+@dataclass(frozen=True, slots=True)
+class StartedBatch:
+    batch: SpecBatch  # roots = the first tokens
+    logits: torch.Tensor  # (B, V) the prefill's last-position logits the first tokens came from
 
 
 def speculate_round(
@@ -275,9 +289,11 @@ def speculate_round(
     batch: SpecBatch,
     num_draft: int,
     tree: TreeConfig | None,
+    logprobs: Sequence[int | None] = (),
 ) -> RoundOutput:
     """Propose, verify in one target forward, commit both caches; updates `batch` in place.
-    Near the end of the cache the chain is shortened (a tree falls back to a chain)."""
+    Near the end of the cache the chain is shortened (a tree falls back to a chain).
+    `logprobs[b]`: row b's number of top alternatives, None (or no entry) for no logprobs."""
     clock = PhaseClock(batch.roots.device)
     clock.mark()
     room = batch.cache.capacity - max(batch.cache.lengths) - 1
@@ -302,18 +318,39 @@ def speculate_round(
     path_tokens = torch.gather(drafted.tokens, 1, result.path.clamp(min=0))  # (B, D + 1)
     host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
     rows = host.tolist()  # sync: the round's tokens, once for all rows
-    clock.mark()
     accepted = [r[0] for r in rows]
+    tokens = [r[3 : 3 + r[0]] + [r[1]] for r in rows]
+    lps = None
+    if any(t is not None for t in logprobs):
+        lps = _round_logprobs(out.logits, result, path_tokens, tokens, logprobs)
+    clock.mark()
     if single:
         batch.cache.advance([1] * len(rows))
     else:
         batch.cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
     batch.draft = _catch_up(proposer, batch.draft, out, result, path_tokens, accepted)
     batch.roots = result.next_token
-    tokens = [r[3 : 3 + r[0]] + [r[1]] for r in rows]
     clock.mark()
     propose, verify, catch_up = clock.spans()
-    return RoundOutput(drafted.max_depth, accepted, tokens, propose + catch_up, verify)
+    return RoundOutput(drafted.max_depth, accepted, tokens, propose + catch_up, verify, lps)
+
+
+def _round_logprobs(
+    logits: torch.Tensor,  # (B, N, V) the verify forward's logits, one row per tree node
+    result: VerifyResult,
+    path_tokens: torch.Tensor,  # (B, D + 1) root, accepted drafts, then padding
+    tokens: list[list[int]],  # per row: the round's tokens (accepted drafts, then the next root)
+    tops: Sequence[int | None],
+) -> list[list[TokenLogprob]]:
+    """Token j of row b was chosen from the logits at node path[b, j]: the accepted drafts at
+    positions j < a, the next root at j = a."""
+    B, N, V = logits.shape
+    nodes = result.path.clamp(min=0)  # (B, D + 1)
+    emitted = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)  # (B, D + 1)
+    emitted.scatter_(1, result.num_accepted[:, None], result.next_token[:, None])
+    at = torch.gather(logits, 1, nodes[..., None].expand(B, nodes.shape[1], V))  # (B, D + 1, V)
+    k = [t or 0 for t in tops] + [0] * (B - len(tops))
+    return to_host(token_logprobs(at, emitted, max(k)), tokens, k)
 
 
 def _arange_rows(ids: torch.Tensor) -> torch.Tensor:
@@ -356,16 +393,25 @@ def _catch_up(
     return proposer.catch_up(draft, tokens, aux, [n + 1 for n in accepted])
 
 
-def _emit(seq: RequestState, tokens: list[int], eos: set[int], limit: int) -> StreamEvent:
+def _emit(
+    seq: RequestState,
+    tokens: list[int],
+    eos: set[int],
+    limit: int,
+    logprobs: list[TokenLogprob] | None,
+) -> StreamEvent:
     """Append a round's tokens in order, stopping at the first that finishes the request."""
     text, new_ids = "", []
+    new_lps: list[TokenLogprob] | None = None if seq.out.logprobs is None else []
     event = None
-    for tid in tokens:
+    for j, tid in enumerate(tokens):
         full = len(seq.out.prompt_token_ids) + len(seq.out.token_ids) + 1 >= limit
-        event = append_token(seq, tid, eos, full)
+        event = append_token(seq, tid, eos, full, None if logprobs is None else logprobs[j])
         text += event.text
         new_ids += event.token_ids
+        if new_lps is not None and event.logprobs:
+            new_lps += event.logprobs
         if event.output is not None:
             break
     assert event is not None
-    return StreamEvent(event.index, text, new_ids, event.output)
+    return StreamEvent(event.index, text, new_ids, event.output, new_lps)

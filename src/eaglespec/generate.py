@@ -2,7 +2,8 @@
 
 Each request has its own sampling parameters and generator; finished rows leave the batch (their
 cache rows are dropped) so the others do not pay for them. One host sync per step hands the new
-tokens back for streaming and stop checks.
+tokens back for streaming and stop checks (a second one, only when a request asks for logprobs,
+hands back their log-probabilities).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 
 from eaglespec.cache import KVCache
 from eaglespec.config import SamplingParams
+from eaglespec.logprobs import TokenLogprob, to_host, token_logprobs
 from eaglespec.model.llama import ForwardOutput, Transformer
-from eaglespec.requests import StreamEvent, account_time, append_token, new_states
+from eaglespec.requests import RequestState, StreamEvent, account_time, append_token, new_states
 from eaglespec.sampling import SamplingTensors, apply_repetition_penalty, probs_from_logits, sample
 from eaglespec.tokenizer import Tokenizer
 
@@ -44,11 +46,13 @@ def generate_stream(
     while True:
         tokens = next_tokens(logits, st, seen, [s.generator for s in active])
         ids = tokens.tolist()  # sync: the step's tokens, for streaming and stop checks
+        lps = step_logprobs(logits, tokens, ids, active)
         now = time.perf_counter()
         keep = []
         for row, (seq, tid) in enumerate(zip(active, ids, strict=True)):
             account_time(seq.out.stats, start, now)
-            event = append_token(seq, tid, eos, cache.lengths[row] + 1 >= limit)
+            lp = None if lps is None else lps[row][0]
+            event = append_token(seq, tid, eos, cache.lengths[row] + 1 >= limit, lp)
             yield event
             if event.output is None:
                 keep.append(row)
@@ -65,6 +69,20 @@ def generate_stream(
         positions = torch.tensor(cache.lengths, device=device)[:, None]  # (B, 1)
         logits = model(tokens[:, None], positions, cache).logits[:, 0]  # (B, V)
         cache.advance([1] * len(active))
+
+
+def step_logprobs(
+    logits: torch.Tensor,  # (B, V) the step's raw logits
+    tokens: torch.Tensor,  # (B,) the chosen tokens
+    ids: list[int],  # the same, on the host
+    seqs: Sequence[RequestState],
+) -> list[list[TokenLogprob]] | None:
+    """Each row's token log-probability (one per row), or None when no request asked."""
+    tops = [s.params.logprobs for s in seqs]
+    if all(t is None for t in tops):
+        return None
+    lpt = token_logprobs(logits[:, None], tokens[:, None], max(t or 0 for t in tops))
+    return to_host(lpt, [[i] for i in ids], [t or 0 for t in tops])
 
 
 def pad_right(

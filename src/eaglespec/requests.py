@@ -11,6 +11,7 @@ import torch
 
 from eaglespec.config import SamplingParams
 from eaglespec.errors import InvalidRequestError, PromptTooLongError
+from eaglespec.logprobs import TokenLogprob
 from eaglespec.textstream import TextStream
 from eaglespec.tokenizer import Tokenizer
 
@@ -79,6 +80,7 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
     stats: GenerationStats = field(default_factory=lambda: GenerationStats(0))
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
 @dataclass
@@ -87,6 +89,7 @@ class StreamEvent:
     text: str  # newly released text (may be empty while a stop string could still form)
     token_ids: list[int]  # newly generated ids
     output: RequestOutput | None = None  # set on the request's last event
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
 @dataclass
@@ -128,7 +131,12 @@ def new_states(
     ids = range(len(prompts)) if indices is None else list(indices)
     return [
         RequestState(
-            out=RequestOutput(i, list(p), stats=GenerationStats(len(p))),
+            out=RequestOutput(
+                i,
+                list(p),
+                stats=GenerationStats(len(p)),
+                logprobs=None if sp.logprobs is None else [],
+            ),
             params=sp,
             stream=TextStream(tokenizer.stream_decoder(p), sp.stop),
             generator=None if sp.seed is None else torch.Generator(device).manual_seed(sp.seed),
@@ -144,8 +152,15 @@ def account_time(stats: GenerationStats, start: float, now: float) -> None:
         stats.decode_seconds = now - start - stats.prefill_seconds
 
 
-def append_token(seq: RequestState, tid: int, eos: set[int], context_full: bool) -> StreamEvent:
-    """Record one sampled token; finish the request when it ends generation."""
+def append_token(
+    seq: RequestState,
+    tid: int,
+    eos: set[int],
+    context_full: bool,
+    logprob: TokenLogprob | None = None,
+) -> StreamEvent:
+    """Record one sampled token (and its log-probability, when the request asked for them);
+    finish the request when it ends generation."""
     out, sp = seq.out, seq.params
     ends = not sp.ignore_eos and tid in eos or tid in sp.stop_token_ids
     text = ""
@@ -153,6 +168,9 @@ def append_token(seq: RequestState, tid: int, eos: set[int], context_full: bool)
         out.token_ids.append(tid)
         out.stats.new_tokens += 1
         text = seq.stream.push(tid)
+        if out.logprobs is not None:
+            assert logprob is not None and logprob.token_id == tid, "logprobs asked, none given"
+            out.logprobs.append(logprob)
     if ends or seq.stream.stopped:
         out.finish_reason = "stop"
     elif len(out.token_ids) >= sp.max_tokens or context_full:
@@ -162,4 +180,5 @@ def append_token(seq: RequestState, tid: int, eos: set[int], context_full: bool)
         text += seq.stream.finish()
     out.text = seq.stream.text
     new_ids = [] if ends else [tid]
-    return StreamEvent(out.index, text, new_ids, out if out.finish_reason else None)
+    lps = None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(new_ids) :]
+    return StreamEvent(out.index, text, new_ids, out if out.finish_reason else None, lps)
