@@ -68,6 +68,69 @@ def test_completion_equals_solo_generate(client: TestClient, llm: LLM) -> None:
     assert out["choices"][0]["text"] == expected
 
 
+def _stream(client: TestClient, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed response, [DONE] checked and dropped."""
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        lines = [x for x in r.iter_lines() if x]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
+
+
+def _solo_logprobs(llm: LLM, ids: list[int], max_tokens: int, top: int):  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=top)
+    out = llm.generate([ids], params)[0]
+    assert out.logprobs is not None
+    return out.logprobs
+
+
+def test_completion_logprobs_legacy_format(client: TestClient, llm: LLM) -> None:
+    body = {"model": NAME, "prompt": [4, 5, 6], "max_tokens": 6, "temperature": 0}
+    body |= {"logprobs": 2, "ignore_eos": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    want = _solo_logprobs(llm, [4, 5, 6], 6, 2)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(want) == 6
+    assert lp["tokens"] == [llm.tokenizer.decode([w.token_id], skip_special=False) for w in want]
+    assert lp["token_logprobs"] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    assert [len(d) <= 2 for d in lp["top_logprobs"]] == [True] * 6
+    assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == choice["text"]
+    # Streamed: the chunks' logprobs add up to the same lists, offsets continuing.
+    chunks = _stream(client, "/v1/completions", {**body, "stream": True})
+    parts = [
+        c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+    ]
+    assert sum((p["tokens"] for p in parts), []) == lp["tokens"]
+    assert sum((p["text_offset"] for p in parts), []) == lp["text_offset"]
+    plain = client.post("/v1/completions", json={**body, "logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_format(client: TestClient, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    body = {"model": NAME, "messages": messages, "max_tokens": 5, "temperature": 0}
+    body |= {"logprobs": True, "top_logprobs": 3, "ignore_eos": True}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    want = _solo_logprobs(llm, llm.tokenizer.encode_chat(messages), 5, 3)
+    assert [c["logprob"] for c in content] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    for c, w in zip(content, want, strict=True):
+        assert c["token"] == llm.tokenizer.decode([w.token_id], skip_special=False)
+        assert c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 3
+        assert c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][-1]["logprob"]
+        assert c["top_logprobs"][0]["token"] == c["token"]  # greedy: the most likely token
+    chunks = _stream(client, "/v1/chat/completions", {**body, "stream": True})
+    streamed = [
+        x
+        for c in chunks
+        if c["choices"] and c["choices"][0].get("logprobs")
+        for x in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert [x["token"] for x in streamed] == [c["token"] for c in content]
+    r = client.post("/v1/chat/completions", json={**body, "logprobs": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
 def test_chat_equals_solo_generate(client: TestClient, llm: LLM) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     body = {"model": NAME, "messages": messages, "max_tokens": 9, "temperature": 0}
@@ -199,7 +262,7 @@ def test_full_queue_is_429_with_retry_after(llm: LLM) -> None:
         ({"model": NAME, "prompt": [[]]}, 400, "prompt"),
         ({"model": NAME, "prompt": [10**9]}, 400, "prompt"),
         ({"model": NAME, "prompt": list(range(3, 200))}, 400, "prompt"),
-        ({"model": NAME, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"model": NAME, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"model": NAME, "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
         ({"model": NAME, "prompt": "x", "stop": 3}, 400, "stop"),
         ({"model": NAME, "prompt": "x", "seed": 2**70}, 400, "seed"),

@@ -33,6 +33,8 @@ from eaglespec.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     UnsupportedFieldError,
+    chat_logprobs,
+    completion_logprobs,
     error_body,
     new_id,
     now,
@@ -44,6 +46,7 @@ from eaglespec.serve.scheduler import (
     ServerClosingError,
     Submission,
 )
+from eaglespec.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +185,17 @@ def create_app(llm: LLM, options: ServeOptions) -> FastAPI:
         run.start()  # before any response: a full queue is a 429, not an error event
         meta = {"id": new_id("cmpl"), "created": now(), "model": options.served_name}
         if body.stream:
-            return _sse(_completion_chunks(run, meta, body.include_usage))
+            return _sse(_completion_chunks(run, meta, body.include_usage, llm.tokenizer))
         outputs = await run.collect(request)
         choices = [
-            {"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+            {
+                "index": i,
+                "text": o.text,
+                "logprobs": None
+                if o.logprobs is None
+                else completion_logprobs(o.logprobs, llm.tokenizer),
+                "finish_reason": o.finish_reason,
+            }
             for i, o in enumerate(outputs)
         ]
         return {"object": "text_completion", **meta, "choices": choices, "usage": run.usage()}
@@ -207,13 +217,15 @@ def create_app(llm: LLM, options: ServeOptions) -> FastAPI:
         run.start()
         meta = {"id": new_id("chatcmpl"), "created": now(), "model": options.served_name}
         if body.stream:
-            return _sse(_chat_chunks(run, meta, body.include_usage))
+            return _sse(_chat_chunks(run, meta, body.include_usage, llm.tokenizer))
         outputs = await run.collect(request)
         choices = [
             {
                 "index": i,
                 "message": {"role": "assistant", "content": o.text},
-                "logprobs": None,
+                "logprobs": None
+                if o.logprobs is None
+                else chat_logprobs(o.logprobs, llm.tokenizer),
                 "finish_reason": o.finish_reason,
             }
             for i, o in enumerate(outputs)
@@ -327,19 +339,24 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 async def _completion_chunks(
-    run: _Run, meta: dict[str, Any], include_usage: bool
+    run: _Run, meta: dict[str, Any], include_usage: bool, tokenizer: Tokenizer
 ) -> AsyncIterator[dict[str, Any]]:
+    offsets = [0] * len(run.jobs)  # per choice: characters of token text sent so far
     async for choice, event in run.events():
         finish = event.output.finish_reason if event.output is not None else None
-        if event.text or finish:
-            c = {"index": choice, "text": event.text, "logprobs": None, "finish_reason": finish}
+        lps = None
+        if event.logprobs:
+            lps = completion_logprobs(event.logprobs, tokenizer, offsets[choice])
+            offsets[choice] += sum(len(t) for t in lps["tokens"])
+        if event.text or finish or lps:
+            c = {"index": choice, "text": event.text, "logprobs": lps, "finish_reason": finish}
             yield {"object": "text_completion", **meta, "choices": [c]}
     if include_usage:
         yield {"object": "text_completion", **meta, "choices": [], "usage": run.usage()}
 
 
 async def _chat_chunks(
-    run: _Run, meta: dict[str, Any], include_usage: bool
+    run: _Run, meta: dict[str, Any], include_usage: bool, tokenizer: Tokenizer
 ) -> AsyncIterator[dict[str, Any]]:
     base = {"object": "chat.completion.chunk", **meta}
     for choice in range(len(run.jobs)):
@@ -347,8 +364,9 @@ async def _chat_chunks(
         yield {**base, "choices": [{**c, "finish_reason": None}]}
     async for choice, event in run.events():
         finish = event.output.finish_reason if event.output is not None else None
-        if event.text:
-            c = {"index": choice, "delta": {"content": event.text}, "logprobs": None}
+        lps = chat_logprobs(event.logprobs, tokenizer) if event.logprobs else None
+        if event.text or lps:
+            c = {"index": choice, "delta": {"content": event.text}, "logprobs": lps}
             yield {**base, "choices": [{**c, "finish_reason": None}]}
         if finish:
             c = {"index": choice, "delta": {}, "logprobs": None, "finish_reason": finish}

@@ -1,6 +1,6 @@
 """OpenAI request schemas (the subset eaglespec serves), their checks, and the response shapes.
 
-Fields OpenAI defines that eaglespec cannot honour (logprobs, echo, penalties, tools, non-text
+Fields OpenAI defines that eaglespec cannot honour (echo, suffix, penalties, tools, non-text
 response formats) are refused with a 400 naming the field rather than silently ignored; unknown
 extra fields are ignored, as OpenAI's own server does. `top_k`, `min_p` and `ignore_eos` are
 extensions, as in vLLM.
@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from eaglespec.config import SamplingParams
+from eaglespec.logprobs import MAX_TOP, TokenLogprob
+from eaglespec.tokenizer import Tokenizer
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
@@ -56,6 +59,10 @@ class _Sampling(BaseModel):
             if getattr(self, name):
                 raise UnsupportedFieldError(name, f"{name} is not supported (only 0)")
 
+    def logprob_count(self) -> int | None:
+        """Top alternatives to report per token; None: no logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """The engine's parameters for choice `choice` of n (seeded choices get seed + choice,
         so n samples differ but repeat)."""
@@ -69,6 +76,7 @@ class _Sampling(BaseModel):
             seed=None if self.seed is None else (self.seed + choice) % 2**64,
             stop=tuple(s for s in stop if s),
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprob_count(),
         )
 
     @property
@@ -79,14 +87,15 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[int], Field(min_length=1)] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     echo: bool = False
     suffix: str | None = None
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise UnsupportedFieldError("logprobs", "logprobs are not supported")
         if self.echo:
             raise UnsupportedFieldError("echo", "echo is not supported")
         if self.suffix:
@@ -123,14 +132,17 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     tools: list[Any] | None = None
     response_format: ResponseFormat | None = None
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise UnsupportedFieldError("logprobs", "logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.tools:
             raise UnsupportedFieldError("tools", "tool calling is not supported")
         if self.response_format is not None and self.response_format.type != "text":
@@ -172,3 +184,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def completion_logprobs(
+    lps: Sequence[TokenLogprob], tokenizer: Tokenizer, offset: int = 0
+) -> dict[str, Any]:
+    """The legacy completions `logprobs` object for these tokens; `offset` is the text length
+    before the first of them (text_offset continues across streamed chunks)."""
+    tokens = [_token_text(tokenizer, lp.token_id) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_token_text(tokenizer, i): v for i, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:
+    """The chat completions `logprobs` object: {"content": [per token]}."""
+
+    def entry(tid: int, value: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, tid)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(i, v) for i, v in lp.top],
+            }
+            for lp in lps
+        ]
+    }
+
+
+def _token_text(tokenizer: Tokenizer, tid: int) -> str:
+    return tokenizer.decode([tid], skip_special=False)
