@@ -58,24 +58,34 @@ def _staggered(
     draft_lengths: list[int],
     tree: TreeConfig | None = None,
     cancel: dict[int, int] | None = None,
+    chunk: int | None = None,
 ) -> tuple[dict[int, list[int]], list[RequestOutput]]:
     """Run PROMPTS arriving at JOIN_AT; round r drafts draft_lengths[r % len]. `cancel` maps a
-    request to the round before which it is dropped. Returns streamed ids per request and the
-    finished outputs."""
+    request to the round before which it is dropped. With `chunk`, newcomers prefill `chunk`
+    prompt tokens per round, the running batch's rounds in between (as the server does), and
+    later arrivals wait for the group ahead. Returns streamed ids per request and the outputs."""
     runner = BatchRunner(target, proposer, NullTokenizer(), max_draft=max(draft_lengths))
     params = _params()
     streamed: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     events: list[StreamEvent] = []
     waiting = list(range(len(PROMPTS)))
+    prefill = None
     r = 0
-    while waiting or runner.seqs:
+    while waiting or runner.seqs or prefill is not None:
         for i, at in (cancel or {}).items():
             if at == r:
                 runner.drop([i])
         new = [i for i in waiting if JOIN_AT[i] <= r]
-        if new:
+        if new and prefill is None:
             waiting = [i for i in waiting if i not in new]
-            events += runner.join([PROMPTS[i] for i in new], [params[i] for i in new], new)
+            prompts, ps = [PROMPTS[i] for i in new], [params[i] for i in new]
+            if chunk is None:
+                events += runner.join(prompts, ps, new)
+            else:
+                prefill = runner.begin_join(prompts, ps, new, chunk=chunk)
+        if prefill is not None and prefill.step():
+            events += runner.complete_join(prefill)
+            prefill = None
         if runner.seqs:
             events += runner.round(draft_lengths[r % len(draft_lengths)], tree).events
         r += 1
@@ -84,9 +94,11 @@ def _staggered(
     return streamed, collect_outputs(events)
 
 
-def _check(target: Transformer, proposer: Proposer, lengths: list[int], tree=None) -> None:
+def _check(
+    target: Transformer, proposer: Proposer, lengths: list[int], tree=None, chunk=None
+) -> None:
     solo = _solo(target)
-    streamed, outs = _staggered(target, proposer, lengths, tree)
+    streamed, outs = _staggered(target, proposer, lengths, tree, chunk=chunk)
     assert [o.index for o in outs] == list(range(len(PROMPTS)))
     for s, o in zip(solo, outs, strict=True):
         assert o.token_ids == s.token_ids, o.index
@@ -112,6 +124,18 @@ def test_lookup_joins_equal_plain(target: Transformer) -> None:
 def test_eagle3_joins_equal_plain(target: Transformer, tree: TreeConfig | None) -> None:
     head = random_eagle3(target, seed=0, capture=(1, 3, 5))
     _check(target, Eagle3Proposer(head, (1, 3, 5)), [3, 0, 1], tree)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+def test_chunked_prefill_joins_equal_plain(target: Transformer, chunk: int) -> None:
+    """Newcomers prefilled a few prompt tokens per round, rounds of the running batch in
+    between: EAGLE-3 chains and trees (the head starts from states gathered over the chunks)
+    and a draft model."""
+    head = random_eagle3(target, seed=0, capture=(1, 3, 5))
+    tree = TreeConfig(depth=3, top_k=2, num_nodes=5) if chunk == 2 else None
+    _check(target, Eagle3Proposer(head, (1, 3, 5)), [3, 0, 1], tree, chunk=chunk)
+    draft = tiny_target(7, vocab=V, layers=2, hidden=32, kv_heads=1)
+    _check(target, DraftModelProposer(draft, target_vocab_size=V), [2], chunk=chunk)
 
 
 def test_copy_draft_accepts_everything_after_joins(target: Transformer) -> None:

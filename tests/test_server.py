@@ -373,3 +373,69 @@ def test_shutdown_past_grace_cancels_running_work(llm: LLM) -> None:
     assert event is None and "cancelled" in str(error)
     assert scheduler.runner.seqs == [] and scheduler.load == (0, 0)
     assert len(got) < 100
+
+
+def _wait_done(results: dict, keys: list, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(k in results for k in keys):
+        assert time.monotonic() < deadline, "requests did not finish"
+        time.sleep(0.01)
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_rounds(llm: LLM) -> None:
+    """A long prompt arriving while a stream runs is prefilled 4 tokens per engine step, with a
+    round of the running stream after each chunk; both outputs equal their solo runs, and a
+    request cancelled mid-prefill leaves the others and the engine thread unharmed."""
+    app = create_app(llm, ServeOptions(served_name=NAME, prefill_chunk=4))
+    scheduler = app.state.scheduler
+    order: list[str] = []
+    results: dict[str, object] = {}
+    long_prompt = [(7 * i) % 300 + 3 for i in range(60)]
+
+    def track(name: str):  # type: ignore[no-untyped-def]
+        def deliver(event, error) -> None:  # type: ignore[no-untyped-def]
+            if error is not None:
+                results[name] = error
+                return
+            order.append(name)
+            if name == "A" and order.count("A") == 1:  # B arrives once A is streaming
+                scheduler.submit(long_prompt, SamplingParams(max_tokens=4), track("B"))
+            if event.output is not None:
+                results[name] = event.output
+
+        return deliver
+
+    scheduler.start()
+    try:
+        scheduler.submit([5, 6], SamplingParams(max_tokens=100, ignore_eos=True), track("A"))
+        _wait_done(results, ["A", "B"])
+        first_b = order.index("B")
+        assert order[1:first_b].count("A") >= 60 // 4 - 1  # A kept streaming while B prefilled
+        assert results["A"].token_ids == _solo(llm, [5, 6], 100)  # type: ignore[attr-defined]
+        b = llm.generate([long_prompt], SamplingParams(max_tokens=4))[0]
+        assert results["B"].token_ids == b.token_ids  # type: ignore[attr-defined]
+
+        # Cancelled mid-prefill (by D's third event, C needs 15 chunks): C ends with an error
+        # and no tokens, D is unchanged, and the engine thread serves the next request.
+        results.clear()
+        order.clear()
+        held: list = []
+
+        def deliver_d(event, error) -> None:  # type: ignore[no-untyped-def]
+            order.append("D")
+            if order.count("D") == 1:
+                held.append(scheduler.submit(long_prompt, SamplingParams(max_tokens=5), track("C")))
+            if order.count("D") == 3:
+                scheduler.cancel(held[0])
+            if event is not None and event.output is not None:
+                results["D"] = event.output
+
+        scheduler.submit([9, 10], SamplingParams(max_tokens=40, ignore_eos=True), deliver_d)
+        _wait_done(results, ["C", "D"])
+        assert isinstance(results["C"], Exception) and "C" not in order
+        assert results["D"].token_ids == _solo(llm, [9, 10], 40)  # type: ignore[attr-defined]
+        scheduler.submit([4, 4], SamplingParams(max_tokens=3, ignore_eos=True), track("E"))
+        _wait_done(results, ["E"])
+        assert scheduler.runner.seqs == [] and scheduler.load == (0, 0)
+    finally:
+        scheduler.stop(grace=0)

@@ -187,22 +187,43 @@ class BatchRunner:
         params: Sequence[SamplingParams],
         indices: Iterable[int],
     ) -> list[StreamEvent]:
-        """Prefill newcomers (StreamEvent.index = their `indices`), emit their first tokens and
-        append the unfinished ones to the running batch."""
+        """Prefill newcomers (StreamEvent.index = their `indices`) in one forward, emit their
+        first tokens and append the unfinished ones to the running batch."""
+        prefill = self.begin_join(prompts, params, indices, chunk=None)
+        while not prefill.step():
+            pass
+        return self.complete_join(prefill)
+
+    def begin_join(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        indices: Iterable[int],
+        *,
+        chunk: int | None,
+    ) -> Prefill:
+        """Newcomers whose prefill runs `chunk` prompt tokens per `Prefill.step` (None: all at
+        once), so a caller can run rounds of the running batch between chunks; then
+        `complete_join`. Bad requests raise here, before any forward."""
         start = time.perf_counter()
         seqs = new_states(prompts, params, self.tokenizer, self.limit, self.target.device, indices)
         capacity = max(
             self.capacity_for(len(p), sp.max_tokens) for p, sp in zip(prompts, params, strict=True)
         )
-        started = start_batch(self.target, self.proposer, prompts, params, seqs, capacity)
+        return Prefill(self.target, self.proposer, prompts, params, seqs, capacity, chunk, start)
+
+    def complete_join(self, prefill: Prefill) -> list[StreamEvent]:
+        """The first tokens of a finished `Prefill`; its unfinished rows join the batch."""
+        seqs = prefill.seqs
+        started = prefill.finish()
         batch = started.batch
         first = batch.roots.tolist()  # sync: the first token of every new row
         lps = step_logprobs(started.logits, batch.roots, first, seqs)
         now = time.perf_counter()
         events, keep = [], []
         for row, seq in enumerate(seqs):
-            seq.started = start
-            account_time(seq.out.stats, start, now)
+            seq.started = prefill.started
+            account_time(seq.out.stats, prefill.started, now)
             event = _emit(
                 seq, [first[row]], self.eos, self.limit, None if lps is None else lps[row]
             )
@@ -262,19 +283,75 @@ def start_batch(
     capacity: int,
 ) -> StartedBatch:
     """Target prefill (ragged, capturing what the proposer reads), first tokens, proposer start."""
-    device = target.device
-    cache = target.new_cache(len(prompts), capacity)
-    st = SamplingTensors.from_params(params, device)
-    generators = [s.generator for s in seqs]
-    ids, lengths = pad_right(prompts, device)
-    last = torch.tensor([[n - 1] for n in lengths], device=device)
-    out: ForwardOutput = target(
-        ids, _arange_rows(ids), cache, capture=proposer.capture, logit_index=last
-    )
-    cache.advance(lengths)
-    roots = next_tokens(out.logits[:, 0], st, None, generators)
-    draft = proposer.start(ids, roots, out.hidden, lengths, capacity)
-    return StartedBatch(SpecBatch(cache, draft, roots, st, generators), out.logits[:, 0])
+    prefill = Prefill(target, proposer, prompts, params, seqs, capacity, None, time.perf_counter())
+    prefill.step()
+    return prefill.finish()
+
+
+class Prefill:
+    """The target prefill of a group of new rows, `chunk` prompt positions per `step` (None:
+    the whole prompts in one step). Each chunk is one right-padded forward onto the cache built
+    so far (a row whose prompt ended keeps its length; its padded slots are overwritten later).
+    Each row's last-position logits are kept from the chunk that holds its last prompt token,
+    and the captured states are gathered over chunks, so `finish` samples the first tokens and
+    starts the proposer exactly as a one-forward prefill does."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        proposer: Proposer,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        seqs: Sequence[RequestState],
+        capacity: int,
+        chunk: int | None,
+        started: float,
+    ) -> None:
+        self.target, self.proposer, self.seqs = target, proposer, list(seqs)
+        self.params = params
+        self.capacity = capacity
+        self.started = started  # perf_counter when the group arrived: its timings' origin
+        self.ids, self.lengths = pad_right(prompts, target.device)  # (B, T)
+        self.chunk = chunk or self.ids.shape[1]
+        self.cache = target.new_cache(len(prompts), capacity)
+        self.done = 0  # prompt positions prefilled so far (all rows alike)
+        self.last: torch.Tensor | None = None  # (B, V) each row's last-position logits
+        self.hidden: list[list[torch.Tensor]] = []  # per chunk: captured states (B, t, C)
+
+    def step(self) -> bool:
+        """Prefill the next chunk; True once every prompt is in the cache."""
+        B, T = self.ids.shape
+        c0, c1 = self.done, min(self.done + self.chunk, T)
+        ids = self.ids[:, c0:c1]  # (B, t)
+        device = ids.device
+        positions = torch.tensor(self.cache.lengths, device=device)[:, None] + torch.arange(
+            c1 - c0, device=device
+        )  # (B, t): a row whose prompt ended keeps counting (those slots are never committed)
+        ends = [n - 1 - c0 if c0 < n <= c1 else 0 for n in self.lengths]
+        out: ForwardOutput = self.target(
+            ids,
+            positions,
+            self.cache,
+            capture=self.proposer.capture,
+            logit_index=torch.tensor(ends, device=device)[:, None],
+        )
+        self.cache.advance([max(0, min(n, c1) - c0) for n in self.lengths])
+        ending = torch.tensor([c0 < n <= c1 for n in self.lengths], device=device)  # (B,)
+        logits = out.logits[:, 0]  # (B, V)
+        self.last = logits if self.last is None else torch.where(ending[:, None], logits, self.last)
+        self.hidden.append(list(out.hidden))
+        self.done = c1
+        return c1 >= T
+
+    def finish(self) -> StartedBatch:
+        assert self.last is not None and self.done >= self.ids.shape[1], "prefill not finished"
+        st = SamplingTensors.from_params(self.params, self.target.device)
+        generators = [s.generator for s in self.seqs]
+        roots = next_tokens(self.last, st, None, generators)
+        hidden = [torch.cat(parts, dim=1) for parts in zip(*self.hidden, strict=True)]
+        draft = self.proposer.start(self.ids, roots, hidden, self.lengths, self.capacity)
+        batch = SpecBatch(self.cache, draft, roots, st, generators)
+        return StartedBatch(batch, self.last)
 
 
 @dataclass(frozen=True, slots=True)

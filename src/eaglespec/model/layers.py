@@ -102,11 +102,15 @@ def attend(
     """q (B, H, T, D); k, v (B, Hkv, K, D); mask (B, 1, T, K) bool (True = attend) or None.
 
     `causal` is only valid when K == T (no cached prefix). GQA runs without repeating K/V.
-    Eager forwards call SDPA; a forward being compiled spells attention out (`attend_math`),
-    which inductor fuses into a few loops: SDPA's CPU kernel costs about 150 us per call for one
-    query over 100 keys on the development VM, more than the layer's matmuls.
+    Eager fp32 forwards call SDPA. Attention onto a cache is spelled out (`attend_math`) when
+    the forward is being compiled (inductor fuses it into a few loops) and for 16-bit inputs on
+    a CPU, where SDPA's kernel is slow for few queries: one query per row over 301 keys, 64 rows,
+    bf16, one thread on the development VM: SDPA 30.1 ms, `attend_math` 2.8 ms (fp32: 3.9 vs
+    5.8 ms, so fp32 keeps SDPA); benchmarks/attention_cpu.py measures it.
     """
-    if torch.compiler.is_compiling() and not causal:
+    if not causal and (
+        torch.compiler.is_compiling() or (q.device.type == "cpu" and q.dtype != torch.float32)
+    ):
         return attend_math(q, k, v, mask)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]

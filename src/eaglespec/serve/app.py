@@ -57,6 +57,7 @@ class ServeOptions:
     max_model_len: int | None = None  # prompt + output tokens per request (default: the model's)
     speculation: str | None = None  # adaptive | on | off (policy.py); None: the LLM's policy
     shutdown_grace: float = 10.0  # seconds running requests get to finish at shutdown
+    prefill_chunk: int | None = 256  # prompt tokens prefilled per engine step; None: whole
 
 
 class HTTPError(Exception):
@@ -89,7 +90,12 @@ def create_app(llm: LLM, options: ServeOptions) -> FastAPI:
     )
     runner = BatchRunner(llm.model, proposer, llm.tokenizer, max_draft=max_draft)
     scheduler = Scheduler(
-        runner, policy, metrics, max_seqs=options.max_seqs, max_queue=options.max_queue
+        runner,
+        policy,
+        metrics,
+        max_seqs=options.max_seqs,
+        max_queue=options.max_queue,
+        prefill_chunk=options.prefill_chunk,
     )
 
     @asynccontextmanager

@@ -30,6 +30,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="prompt + output tokens per request (default: the model's context)",
     )
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds to finish work")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prefill new prompts this many tokens at a time, running streams decoding in "
+        "between, so a long prompt does not stall them (0: each prompt in one forward)",
+    )
     add_speculation_args(p, default_method="eagle3 with the head shipped for the model, else none")
 
 
@@ -38,9 +45,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from eaglespec.serve.app import ServeOptions, create_app
 
-    for flag in ("max_seqs", "max_queue", "max_model_len", "port"):
+    for flag in ("max_seqs", "max_queue", "max_model_len", "port", "prefill_chunk"):
         value = getattr(args, flag)
-        if value is not None and value < (0 if flag == "port" else 1):
+        if value is not None and value < (0 if flag in ("port", "prefill_chunk") else 1):
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     llm = load_llm(args, progress=True, default_method="eagle3")
     if llm.draft_report:
@@ -53,6 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_model_len=args.max_model_len,
         shutdown_grace=args.shutdown_grace,
+        prefill_chunk=args.prefill_chunk or None,
     )
     app = create_app(llm, options)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

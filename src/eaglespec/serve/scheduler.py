@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from eaglespec.config import SamplingParams
-from eaglespec.engine import BatchRunner
+from eaglespec.engine import BatchRunner, Prefill
 from eaglespec.errors import EaglespecError
 from eaglespec.policy import AdaptiveDraft, FixedDraft
 from eaglespec.requests import StreamEvent
@@ -59,8 +59,15 @@ class Scheduler:
         *,
         max_seqs: int,
         max_queue: int,
+        prefill_chunk: int | None = None,
     ) -> None:
+        """`prefill_chunk`: newcomers' prompts are prefilled this many tokens per engine step,
+        with a round of the running batch after each chunk, so a long prompt does not stall
+        the streams already running (None: each group in one forward)."""
         self.runner = runner
+        self.prefill_chunk = prefill_chunk
+        self._prefill: Prefill | None = None  # newcomers being prefilled, in chunks
+        self._prefill_subs: list[Submission] = []
         self.policy = policy
         self.metrics = metrics
         self.max_seqs = max_seqs
@@ -142,6 +149,8 @@ class Scheduler:
                 cancelled = [i for i in self._cancelled if i in self._running]
                 self._cancelled.clear()
                 free = self.max_seqs - (len(self._running) - len(cancelled))
+                if self._prefill is not None:
+                    free = 0  # later arrivals wait for the group being prefilled
                 newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
                 self.metrics.queue_depth.set(len(self._waiting))
                 for sub in newcomers:
@@ -153,7 +162,9 @@ class Scheduler:
                     sub.deliver(None, ServerClosingError("cancelled"))
                     self._finish(sub, "cancelled")
             if newcomers:
-                self._join(newcomers)
+                self._begin(newcomers)
+            if self._prefill is not None:
+                self._prefill_step()
             if self.runner.seqs:
                 self._round()
             self.metrics.batch_size.set(len(self.runner.seqs))
@@ -161,20 +172,45 @@ class Scheduler:
                 if self._closing and not self._running and not self._waiting:
                     return
 
-    def _join(self, subs: list[Submission]) -> None:
+    def _begin(self, subs: list[Submission]) -> None:
         try:
-            events = self.runner.join(
-                [s.prompt for s in subs], [s.params for s in subs], [s.id for s in subs]
+            self._prefill = self.runner.begin_join(
+                [s.prompt for s in subs],
+                [s.params for s in subs],
+                [s.id for s in subs],
+                chunk=self.prefill_chunk,
             )
         except Exception as e:  # a bad request must not take the server down
-            for sub in subs:
-                del self._running[sub.id]
-                sub.deliver(None, e)
-                self._finish(sub, "error")
+            self._fail(subs, e)
             return
+        self._prefill_subs = subs
         for sub in subs:
             self.metrics.prompt_tokens.inc(len(sub.prompt))
-        self._dispatch(events)
+
+    def _prefill_step(self) -> None:
+        """One chunk of the newcomers' prefill; when it was the last, they join the batch."""
+        assert self._prefill is not None
+        prefill, subs = self._prefill, self._prefill_subs
+        try:
+            if not prefill.step():
+                return
+            events = self.runner.complete_join(prefill)
+        except Exception as e:  # an engine bug: fail these requests, keep serving
+            self._prefill, self._prefill_subs = None, []
+            self.runner.drop([s.id for s in subs])
+            self._fail([s for s in subs if s.id in self._running], e)
+            return
+        self._prefill, self._prefill_subs = None, []
+        gone = [s.id for s in subs if s.id not in self._running]  # cancelled while prefilling
+        if gone:
+            self.runner.drop(gone)
+        self._dispatch([e for e in events if e.index in self._running])
+
+    def _fail(self, subs: list[Submission], error: Exception) -> None:
+        for sub in subs:
+            del self._running[sub.id]
+            sub.deliver(None, error)
+            self._finish(sub, "error")
 
     def _round(self) -> None:
         batch = len(self.runner.seqs)
@@ -184,10 +220,7 @@ class Scheduler:
         except Exception as e:  # an engine bug: fail the batch, keep serving
             ids = [s.out.index for s in self.runner.seqs]
             self.runner.drop(ids)
-            for i in ids:
-                sub = self._running.pop(i)
-                sub.deliver(None, e)
-                self._finish(sub, "error")
+            self._fail([self._running[i] for i in ids], e)
             return
         self.policy.observe(batch, choice, report.seconds, report.output.accepted)
         self.metrics.record_round(report.output.drafted, report.output.accepted)
