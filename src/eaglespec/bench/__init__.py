@@ -2,6 +2,7 @@
 
   questions.py    FastChat question files -> Question (id, category, user turns)
   lineup.py       method names -> BenchMethod (a proposer or none, chain length, tree shape)
+  llamacpp.py     the llama.cpp reference method (llama-cpp-python, same GGUF, greedy; opt-in)
   memory.py       peak memory per generation (CUDA allocator, or the process's peak RSS)
   runner.py       warm-up, then every question at batch 1 with the methods interleaved;
                   multi-turn questions continue with each method's own answers -> Generation

@@ -11,6 +11,11 @@ Definitions (the same for every method, so they compare):
   round time        decode time per verification round, split into drafting, verification (the
                     target forward, verify, host sync) and other (bookkeeping, streaming text);
                     for plain decoding the time per decode step, not split
+
+A reference engine (llama.cpp) is another implementation with other numerics: its greedy outputs
+are counted against plain decoding's (how many match, where they first differ on average) but its
+losslessness is None, "not applicable", never False; its speedup is its tokens/s over eaglespec
+plain's, and its acceptance statistics are empty (it has no draft).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from eaglespec.bench.lineup import PLAIN
+from eaglespec.bench.lineup import PLAIN, REFERENCE_ENGINES
 from eaglespec.bench.questions import Question
 from eaglespec.bench.runner import Generation
 
@@ -33,10 +38,12 @@ class Mismatch:
 
 @dataclass(frozen=True, slots=True)
 class LosslessCheck:
-    lossless: bool | None  # None when sampling: outputs are not comparable by identity
+    lossless: bool | None  # None when sampling, or for a reference engine (other numerics)
     compared: int  # generations compared with plain decoding's
-    mismatches: int  # of those, how many differ
+    mismatches: int  # of those, how many differ (0 when sampling)
     first_mismatch: Mismatch | None  # in question order
+    reference: bool = False  # another engine: a mismatch is numerics, not a speculation bug
+    mean_first_difference: float | None = None  # mean `position` over the mismatches
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,21 +91,30 @@ def check_lossless(
     plain: Sequence[Generation],
     questions: Sequence[Question],
     greedy: bool,
+    reference: bool = False,
 ) -> LosslessCheck:
-    """Compare each output's token ids with plain decoding's for the same question and turn."""
-    reference = {(g.question, g.turn): g.output.token_ids for g in plain}
+    """Compare each output's token ids with plain decoding's for the same question and turn.
+    With `reference` (another engine) the differences are counted but decide nothing."""
+    plain_ids = {(g.question, g.turn): g.output.token_ids for g in plain}
     pairs = [
-        (g, reference[g.question, g.turn]) for g in outputs if (g.question, g.turn) in reference
+        (g, plain_ids[g.question, g.turn]) for g in outputs if (g.question, g.turn) in plain_ids
     ]
     if not greedy:
-        return LosslessCheck(None, len(pairs), 0, None)
+        return LosslessCheck(None, len(pairs), 0, None, reference)
     found: list[Mismatch] = []
     for g, ref in sorted(pairs, key=lambda p: (p[0].question, p[0].turn)):
         pos = first_difference(g.output.token_ids, ref)
         if pos is not None:
             q = questions[g.question]
             found.append(Mismatch(q.source, q.question_id, g.turn, pos))
-    return LosslessCheck(not found, len(pairs), len(found), found[0] if found else None)
+    return LosslessCheck(
+        None if reference else not found,
+        len(pairs),
+        len(found),
+        found[0] if found else None,
+        reference,
+        sum(m.position for m in found) / len(found) if found else None,
+    )
 
 
 def method_stats(
@@ -108,8 +124,10 @@ def method_stats(
     *,
     drafting: bool,
     greedy: bool,
+    reference: bool = False,
 ) -> MethodStats:
-    """One method's statistics over `gens`; `plain` holds the baseline's for the same turns."""
+    """One method's statistics over `gens`; `plain` holds the baseline's for the same turns.
+    `drafting`: it has rounds and acceptance; `reference`: another engine (check_lossless)."""
     stats = [g.output.stats for g in gens]
     new = sum(s.new_tokens for s in stats)
     prefill = sum(s.prefill_seconds for s in stats)
@@ -145,7 +163,7 @@ def method_stats(
         accept_rate_by_position=tuple(a / p for a, p in zip(accepted, proposed, strict=True) if p),
         round_time=round_time,
         peak_memory_bytes=max((g.peak_memory_bytes for g in gens), default=0),
-        lossless=check_lossless(gens, plain, questions, greedy),
+        lossless=check_lossless(gens, plain, questions, greedy, reference),
     )
 
 
@@ -168,8 +186,9 @@ def summarize(
                 [g for g in chosen if g.method == m],
                 plain,
                 questions,
-                drafting=m != PLAIN,
+                drafting=m != PLAIN and m not in REFERENCE_ENGINES,
                 greedy=greedy,
+                reference=m in REFERENCE_ENGINES,
             )
             for m in methods
         }

@@ -14,12 +14,13 @@ from eaglespec.bench.aggregate import BenchSummary, summarize
 from eaglespec.bench.environment import EngineSettings, describe_model, environment
 from eaglespec.bench.lineup import (
     METHOD_NAMES,
-    BenchMethod,
     DraftSources,
+    Method,
     build_methods,
     check_methods,
     default_methods,
 )
+from eaglespec.bench.llamacpp import LLAMA_CPP, LlamaCppMethod, check_gguf
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import GROUPINGS, Question, read_all
 from eaglespec.bench.report import render_report, summary_table
@@ -51,7 +52,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         nargs="+",
         choices=METHOD_NAMES,
         help="default: every method that can run (eagle3-* when a head ships for the model or "
-        "--draft is given, draft-model with --draft-model); plain always runs as the baseline",
+        "--draft is given, draft-model with --draft-model); plain always runs as the baseline. "
+        "llama.cpp (opt-in, needs llama-cpp-python and a GGUF model): llama.cpp's own plain "
+        "decoding of the same file, as a reference",
     )
     p.add_argument("--draft", help="EAGLE-3 head folder or 'random'; default: the shipped head")
     p.add_argument("--draft-model", help="draft-model method's drafter, e.g. qwen2.5-coder-0.5b")
@@ -147,13 +150,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _calibrate(args, questions)
     head = args.draft or packaged_head(args.model)
     drafts = DraftSources(eagle3=str(head) if head else None, draft_model=args.draft_model)
-    names = check_methods(args.methods or default_methods(drafts), drafts)
+    names = check_methods(
+        args.methods or default_methods(drafts),
+        drafts,
+        temperature=args.temperature,
+        device=args.device,
+    )
     settings = RunSettings(args.max_tokens, args.temperature, args.seed)
     settings.params()  # validates max_tokens and temperature
+    path = resolve_model(args.model, progress=not args.quiet)
+    if LLAMA_CPP in names:
+        check_gguf(path)
     args.out.mkdir(parents=True, exist_ok=True)  # fail now, not after the run, if it cannot be
 
     target = load_model(
-        resolve_model(args.model, progress=not args.quiet),
+        path,
         dtype=args.dtype,
         device=args.device,
         quant=args.quant,
@@ -180,6 +191,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         describe_model(target.path),
         _describe_drafts(methods, drafts),
     )
+    for m in methods:
+        if isinstance(m, LlamaCppMethod):
+            env["llama_cpp"] = m.environment()
     _write(args, methods, summary, questions, generations, env, meter.scope)
     print(summary_table(summary.overall))
     print(f"written: {args.out / 'results.json'}, {args.out / 'report.md'}", file=sys.stderr)
@@ -188,7 +202,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _write(
     args: argparse.Namespace,
-    methods: list[BenchMethod],
+    methods: list[Method],
     summary: BenchSummary,
     questions: list[Question],
     generations: list[Generation],
@@ -238,7 +252,7 @@ def target_name(env: dict[str, Any]) -> str:
     return Path(env["model"]["path"]).name
 
 
-def _describe_drafts(methods: list[BenchMethod], drafts: DraftSources) -> dict[str, Any]:
+def _describe_drafts(methods: list[Method], drafts: DraftSources) -> dict[str, Any]:
     """Path and hashes of each draft a method used ('random' heads have no file)."""
     used = {m.name for m in methods}
     out: dict[str, Any] = {}

@@ -5,6 +5,8 @@
   eagle3-tree   the same head drafting an EAGLE-2 dynamic tree (`tree`: depth, top-k, nodes)
   draft-model   a smaller model with the target's vocabulary drafting chains
   lookup        prompt lookup: n-grams of the context, no model
+  llama.cpp     llama.cpp's plain decoding of the same GGUF file: a reference engine, opt-in
+                (needs llama-cpp-python; llamacpp.py)
 
 The chain and the tree share one head; a proposer keeps no state between generations (each
 generation's state comes from `start`), so one object serves every question.
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from eaglespec.bench.llamacpp import LLAMA_CPP, LlamaCppMethod, check_llama_cpp
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer
 from eaglespec.draft.draft_model import DraftModelProposer
@@ -26,7 +30,9 @@ from eaglespec.model.loader import LoadedModel
 from eaglespec.requests import RequestOutput, collect_outputs
 
 PLAIN = "plain"
-METHOD_NAMES = (PLAIN, "eagle3-chain", "eagle3-tree", "draft-model", "lookup")
+METHOD_NAMES = (PLAIN, "eagle3-chain", "eagle3-tree", "draft-model", "lookup", LLAMA_CPP)
+# Other engines: compared with plain decoding for speed, but not held to eaglespec's losslessness.
+REFERENCE_ENGINES = frozenset({LLAMA_CPP})
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +41,20 @@ class DraftSources:
 
     eagle3: str | None  # an EAGLE-3 head folder, or "random" (seeded random head)
     draft_model: str | None  # a registry name or path of a smaller model
+
+
+class Method(Protocol):
+    """What the runner needs of a method: BenchMethod (eaglespec) or LlamaCppMethod."""
+
+    @property
+    def name(self) -> str: ...  # one of METHOD_NAMES
+
+    @property
+    def description(self) -> str: ...  # one line for the report
+
+    def generate(
+        self, target: LoadedModel, prompt: Sequence[int], params: SamplingParams
+    ) -> RequestOutput: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +86,8 @@ class BenchMethod:
 
 def default_methods(drafts: DraftSources) -> list[str]:
     """Every method that can run with what was given: the EAGLE-3 pair when a head is known,
-    draft-model when a draft model was named; plain and lookup always."""
+    draft-model when a draft model was named; plain and lookup always. Never llama.cpp: another
+    engine, and an optional package, runs only when asked for."""
     names = [PLAIN]
     if drafts.eagle3:
         names += ["eagle3-chain", "eagle3-tree"]
@@ -75,9 +96,12 @@ def default_methods(drafts: DraftSources) -> list[str]:
     return [*names, "lookup"]
 
 
-def check_methods(names: Sequence[str], drafts: DraftSources) -> list[str]:
+def check_methods(
+    names: Sequence[str], drafts: DraftSources, *, temperature: float = 0.0, device: str = "cpu"
+) -> list[str]:
     """`names` in order without repeats, plain first (the baseline always runs); an unknown name
-    or a method without its draft is an error, raised before anything loads."""
+    or a method without its draft (llama.cpp: its package, greedy decoding, its device) is an
+    error, raised before anything loads."""
     out = [PLAIN]
     for name in names:
         if name not in METHOD_NAMES:
@@ -91,6 +115,8 @@ def check_methods(names: Sequence[str], drafts: DraftSources) -> list[str]:
             )
         if name == "draft-model" and not drafts.draft_model:
             raise InvalidRequestError("method 'draft-model' needs --draft-model MODEL")
+        if name == LLAMA_CPP:
+            check_llama_cpp(temperature, device)
         if name not in out:
             out.append(name)
     return out
@@ -106,10 +132,10 @@ def build_methods(
     quant: str,
     compile: str,
     progress: bool,
-) -> list[BenchMethod]:
+) -> list[Method]:
     """Load each draft once (the EAGLE-3 head serves chain and tree). `quant` applies to the
     drafts as to the target; `compile` to a draft model's steps (the caller compiles the
-    target's)."""
+    target's). llama.cpp loads its own copy of the target's file on its first generation."""
     specs: dict[str, Speculation] = {}
 
     def speculation(method: str, draft: str | None) -> Speculation:
@@ -117,8 +143,11 @@ def build_methods(
             specs[method] = make_proposer(method, draft, target, quant=quant, progress=progress)
         return specs[method]
 
-    out = []
+    out: list[Method] = []
     for name in names:
+        if name == LLAMA_CPP:
+            out.append(LlamaCppMethod(target.path, target.model.device))
+            continue
         if name == PLAIN:
             out.append(BenchMethod(name, None, 0, None, "plain decoding (baseline)"))
             continue

@@ -15,11 +15,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from eaglespec.bench.aggregate import BenchSummary, MethodStats
-from eaglespec.bench.lineup import METHOD_NAMES, PLAIN
+from eaglespec.bench.lineup import METHOD_NAMES, PLAIN, REFERENCE_ENGINES
 
-_COLORS = dict(
-    zip(METHOD_NAMES, ("#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"), strict=True)
-)
+_PALETTE = ("#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b")
+_COLORS = dict(zip(METHOD_NAMES, _PALETTE, strict=True))
 
 
 def _bar_figure(summary: BenchSummary, methods: Sequence[str]) -> tuple[Figure, Axes]:
@@ -63,12 +62,12 @@ def _bar_plot(
     summary: BenchSummary,
     value: Callable[[MethodStats], float | None],
     *,
+    methods: Sequence[str],
     baseline: str,
     ylabel: str,
     title: str,
 ) -> None:
-    """Grouped bars of `value` for every drafting method, plain decoding as a dashed line at 1."""
-    methods = [m for m in summary.overall if m != PLAIN]
+    """Grouped bars of `value` for `methods`, plain decoding as a dashed line at 1."""
     fig, ax = _bar_figure(summary, methods)
     _grouped_bars(ax, summary, methods, value)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label=baseline)
@@ -83,6 +82,7 @@ def plot_speedup(path: Path, summary: BenchSummary, subtitle: str) -> None:
         path,
         summary,
         lambda s: s.speedup,
+        methods=[m for m in summary.overall if m != PLAIN],  # a reference engine's bar too
         baseline="plain decoding (1.0x)",
         ylabel="speedup over plain decoding (x)",
         title=f"Speedup by {summary.group_by} (tokens/s over plain's)\n{subtitle}",
@@ -94,6 +94,7 @@ def plot_accept_length(path: Path, summary: BenchSummary, subtitle: str) -> None
         path,
         summary,
         lambda s: s.mean_accept_length,
+        methods=[m for m in summary.overall if m != PLAIN and m not in REFERENCE_ENGINES],
         baseline="plain decoding (1 token)",
         ylabel="mean acceptance length\n(tokens per target forward)",
         title=f"Mean acceptance length by {summary.group_by}\n{subtitle}",
@@ -119,15 +120,13 @@ def plot_accept_rate(path: Path, summary: BenchSummary, subtitle: str) -> None:
 
 
 def write_plots(out: Path, summary: BenchSummary, subtitle: str) -> list[str]:
-    """The PNG files written under `out` (names relative to it); none without a drafting
-    method, as every plot compares drafting methods with plain decoding."""
-    if all(m == PLAIN for m in summary.overall):
-        return []
-    plots = {
-        "speedup.png": plot_speedup,
-        "accept_length.png": plot_accept_length,
-        "accept_rate.png": plot_accept_rate,
-    }
+    """The PNG files written under `out` (names relative to it). Every plot compares methods with
+    plain decoding, so none is drawn with plain alone; the acceptance plots need a drafting
+    method (a reference engine such as llama.cpp has only a speedup)."""
+    compared = [m for m in summary.overall if m != PLAIN]
+    plots = {"speedup.png": plot_speedup} if compared else {}
+    if any(m not in REFERENCE_ENGINES for m in compared):
+        plots |= {"accept_length.png": plot_accept_length, "accept_rate.png": plot_accept_rate}
     for name, plot in plots.items():
         plot(out / name, summary, subtitle)
     return list(plots)

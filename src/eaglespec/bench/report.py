@@ -7,12 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from eaglespec.bench.aggregate import BenchSummary, LosslessCheck, MethodStats
-from eaglespec.bench.lineup import PLAIN
+from eaglespec.bench.lineup import PLAIN, REFERENCE_ENGINES
 
 
 def fmt_lossless(check: LosslessCheck, method: str) -> str:
     if method == PLAIN:
         return "baseline"
+    if check.reference:
+        return fmt_reference_match(check)
     if check.lossless is None:
         return "n/a (sampling)"
     if check.lossless:
@@ -22,6 +24,43 @@ def fmt_lossless(check: LosslessCheck, method: str) -> str:
         f"; first: {m.source} {m.question_id} turn {m.turn + 1}, token {m.position}" if m else ""
     )
     return f"**no**: {check.mismatches} of {check.compared} differ{where}"
+
+
+def fmt_reference_match(check: LosslessCheck) -> str:
+    """Another engine's outputs against plain decoding's: counted, not judged."""
+    if check.compared == 0:
+        return "n/a (another engine)"
+    where = (
+        ""
+        if check.mean_first_difference is None
+        else f"; those differ first at token {check.mean_first_difference:.1f} on average"
+    )
+    same = check.compared - check.mismatches
+    return f"n/a (another engine): {same}/{check.compared} match plain{where}"
+
+
+def reference_lines(overall: dict[str, MethodStats]) -> list[str]:
+    """One line per reference engine: eaglespec plain's decode speed over the engine's (the
+    number a CPU user compares), and every eaglespec method's tokens/s over the engine's."""
+    lines = []
+    plain = overall[PLAIN]
+    for name in (m for m in overall if m in REFERENCE_ENGINES):
+        ref = overall[name]
+        if ref.decode_tokens_per_second <= 0 or ref.tokens_per_second <= 0:
+            continue
+        decode = plain.decode_tokens_per_second / ref.decode_tokens_per_second
+        ours = ", ".join(
+            f"{m} {s.tokens_per_second / ref.tokens_per_second:.2f}x"
+            for m, s in overall.items()
+            if m not in REFERENCE_ENGINES
+        )
+        lines += [
+            f"eaglespec plain / {name} decode ratio **{decode:.2f}** "
+            f"({plain.decode_tokens_per_second:.1f} vs {ref.decode_tokens_per_second:.1f} "
+            f"decode tok/s). eaglespec tok/s over {name}'s (prefill included): {ours}.",
+            "",
+        ]
+    return lines
 
 
 def fmt_round_time(s: MethodStats) -> str:
@@ -87,7 +126,9 @@ def render_report(
 ) -> str:
     env = environment
     names = list(summary.overall)
-    drafting = [m for m in names if m != PLAIN]
+    compared = [m for m in names if m != PLAIN]  # speedup and losslessness columns
+    drafting = [m for m in compared if m not in REFERENCE_ENGINES]
+    references = [m for m in names if m in REFERENCE_ENGINES]
     hardware = env["gpu"] or env["cpu"]
     git = env["eaglespec"]["git"]
     commit = f", eaglespec {git['commit'][:10]}{' (dirty)' if git['dirty'] else ''}" if git else ""
@@ -111,11 +152,23 @@ def render_report(
         "the bonus token included. Accept rate [j]: share of rounds that accepted their j-th "
         f"draft token. Peak memory: {memory_scope}; every method's models stay loaded together. "
         "Lossless: token ids identical to plain decoding's for every turn (greedy only).",
+        *(
+            [
+                f"{', '.join(references)}: another engine on the same model file, same prompt "
+                "ids and thread count (a reference, not a speculation method): speedup is its "
+                "tok/s over eaglespec plain's; its outputs are counted against plain's (other "
+                "numerics, so not expected to equal them), and a later turn continues from its "
+                "own answer.",
+            ]
+            if references
+            else []
+        ),
         "",
         "## Summary",
         "",
         summary_table(summary.overall),
         "",
+        *reference_lines(summary.overall),
         "## Methods",
         "",
         *[f"- **{name}**: {descriptions[name]}" for name in names],
@@ -124,7 +177,7 @@ def render_report(
         "",
         "### Speedup over plain decoding",
         "",
-        group_table(summary, drafting, fmt_speedup),
+        group_table(summary, compared, fmt_speedup),
         "",
         "### Tokens/s",
         "",
@@ -136,7 +189,7 @@ def render_report(
         "",
         "### Lossless",
         "",
-        group_table(summary, drafting, lambda s: fmt_lossless(s.lossless, "")),
+        group_table(summary, compared, lambda s: fmt_lossless(s.lossless, "")),
         "",
     ]
     if plots:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglespec.bench.aggregate import BenchSummary, first_difference
-from eaglespec.bench.lineup import PLAIN, BenchMethod
+from eaglespec.bench.lineup import PLAIN, Method
 from eaglespec.bench.questions import Question
 from eaglespec.bench.runner import Generation
 
@@ -68,7 +68,7 @@ def results_dict(
     command: str,
     settings: dict[str, Any],
     environment: dict[str, Any],
-    methods: Sequence[BenchMethod],
+    methods: Sequence[Method],
     summary: BenchSummary,
     questions: Sequence[Question],
     generations: Sequence[Generation],

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from eaglespec.bench.lineup import BenchMethod
+from eaglespec.bench.lineup import Method
 from eaglespec.bench.memory import MemoryMeter
 from eaglespec.bench.questions import Question
 from eaglespec.config import SamplingParams
@@ -69,7 +69,7 @@ def conversation_ids(
 
 
 def warm_up(
-    target: LoadedModel, methods: Sequence[BenchMethod], question: Question, settings: RunSettings
+    target: LoadedModel, methods: Sequence[Method], question: Question, settings: RunSettings
 ) -> None:
     prompt = conversation_ids(target.tokenizer, question.turns[:1], [])
     params = settings.params(min(settings.max_tokens, settings.warmup_tokens))
@@ -79,7 +79,7 @@ def warm_up(
 
 def run_conversation(
     target: LoadedModel,
-    method: BenchMethod,
+    method: Method,
     question: Question,
     index: int,
     settings: RunSettings,
@@ -100,7 +100,7 @@ def run_conversation(
 
 def run_benchmark(
     target: LoadedModel,
-    methods: Sequence[BenchMethod],
+    methods: Sequence[Method],
     questions: Sequence[Question],
     settings: RunSettings,
     meter: MemoryMeter,
