@@ -21,11 +21,10 @@ from typing import Protocol
 from eaglespec.bench.llamacpp import LLAMA_CPP, LlamaCppMethod, check_llama_cpp
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer
-from eaglespec.draft.draft_model import DraftModelProposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
-from eaglespec.methods import Speculation, make_proposer
+from eaglespec.methods import Speculation, compile_proposer, make_proposer
 from eaglespec.model.loader import LoadedModel
 from eaglespec.requests import RequestOutput, collect_outputs
 
@@ -134,13 +133,15 @@ def build_methods(
     progress: bool,
 ) -> list[Method]:
     """Load each draft once (the EAGLE-3 head serves chain and tree). `quant` applies to the
-    drafts as to the target; `compile` to a draft model's steps (the caller compiles the
-    target's). llama.cpp loads its own copy of the target's file on its first generation."""
+    drafts as to the target; `compile` to a draft model's steps and an EAGLE-3 head's layers
+    (the caller compiles the target's). llama.cpp loads its own copy of the target's file on
+    its first generation."""
     specs: dict[str, Speculation] = {}
 
     def speculation(method: str, draft: str | None) -> Speculation:
         if method not in specs:
             specs[method] = make_proposer(method, draft, target, quant=quant, progress=progress)
+            compile_proposer(specs[method].proposer, compile)
         return specs[method]
 
     out: list[Method] = []
@@ -160,8 +161,6 @@ def build_methods(
             spec = speculation("eagle3", drafts.eagle3)
         elif name == "draft-model":
             spec = speculation("draft-model", drafts.draft_model)
-            if isinstance(spec.proposer, DraftModelProposer):
-                spec.proposer.model.compile_steps(compile)
         else:
             spec = speculation("lookup", None)
         chain = f"{spec.report}; chain of {num_draft}"
