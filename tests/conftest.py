@@ -92,3 +92,13 @@ def _calibration_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -
 
     folder = tmp_path_factory.getbasetemp() / "eaglespec-cache"
     monkeypatch.setattr(calibration, "cache_dir", lambda: folder)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one thread, so OpenMP never spins against a busy machine (10-100x slower).
+    A test module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from eaglespec.calibration import (
     CalibrationStore,
@@ -33,18 +32,12 @@ from oracle import OracleProposer
 TREE = TreeConfig(depth=2, top_k=2, num_nodes=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_hf_folder: Path) -> LLM:
+def _tiny_llm(folder: Path) -> LLM:
     return LLM(
-        str(tiny_hf_folder),
+        str(folder),
         progress=False,
         method="eagle3",
         draft="random",
@@ -52,6 +45,11 @@ def llm(tiny_hf_folder: Path) -> LLM:
         tree=TREE,
         speculation="adaptive",
     )
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_hf_folder: Path) -> LLM:
+    return _tiny_llm(tiny_hf_folder)
 
 
 def _taught(policy: AdaptiveDraft) -> AdaptiveDraft:
@@ -117,15 +115,7 @@ def test_calibrate_stores_what_generate_starts_from(llm: LLM, tiny_hf_folder: Pa
     path = save_calibration(key, policy, "calibrate")
     assert path.is_file() and json.loads(path.read_text())["key"]["draft"] == "random"
 
-    again = LLM(
-        str(tiny_hf_folder),
-        progress=False,
-        method="eagle3",
-        draft="random",
-        num_draft=2,
-        tree=TREE,
-        speculation="adaptive",
-    )
+    again = _tiny_llm(tiny_hf_folder)
     assert calibration_key(again) == key
     lines: list[str] = []
     store = CalibrationStore.open(again, lines.append)

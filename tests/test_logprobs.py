@@ -24,12 +24,7 @@ V = 96
 PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4], [70, 71, 72, 73]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -38,13 +38,7 @@ from helpers import NullTokenizer, tiny_target
 V, VD, T, STEPS = 128, 64, 12, 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread, so OpenMP never spins against a busy machine (10-100x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------

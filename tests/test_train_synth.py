@@ -56,12 +56,7 @@ class WordTokenizer:
         return _Decoder()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_user_turn_prefix_is_the_template_before_the_user_text() -> None:
