@@ -18,7 +18,7 @@ from eaglespec.calibration import (
     load_calibration,
     save_calibration,
 )
-from eaglespec.chat import chat_loop
+from eaglespec.chat import chat_loop, lines_of
 from eaglespec.cli import main
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.engine import generate_speculative
@@ -157,7 +157,7 @@ def test_chat_loop_keeps_the_conversation(llm: LLM) -> None:
     said: list[str] = []
     out = io.StringIO()
     stdin = io.StringIO("Once upon a time\n/bogus\n\ndef add(a, b):\n")
-    messages = chat_loop(llm, params, "be brief", stdin, out, said.append)
+    messages = chat_loop(llm, params, "be brief", lines_of(stdin), out, said.append)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
     # Each answer is what the model says to the whole conversation so far, through the template.
     first = llm.generate([llm.tokenizer.encode_chat(messages[:2])], params)[0]
@@ -165,7 +165,7 @@ def test_chat_loop_keeps_the_conversation(llm: LLM) -> None:
     assert any("unknown command /bogus" in s for s in said)
     assert sum("5 tokens" in s and "tok/s" in s for s in said) == 2
     stdin = io.StringIO("Once\n/reset\ndef\n/exit\nnever read\n")
-    messages = chat_loop(llm, params, None, stdin, io.StringIO(), said.append)
+    messages = chat_loop(llm, params, None, lines_of(stdin), io.StringIO(), said.append)
     assert [m["content"] for m in messages if m["role"] == "user"] == ["def"]
 
 

@@ -54,31 +54,47 @@ def cmd_chat(args: argparse.Namespace) -> int:
     )
     say(f"[{HELP}]")
     try:
-        chat_loop(llm, params, args.system, sys.stdin, sys.stdout, say, interactive=True)
+        chat_loop(llm, params, args.system, terminal_reader(), sys.stdout, say)
     finally:
         calibration.save()
     return 0
+
+
+def terminal_reader() -> Callable[[], str | None]:
+    """Lines from standard input: with a prompt and line editing (readline) on a terminal,
+    plain lines from a pipe; None at the end of input."""
+    if not sys.stdin.isatty():
+        return lambda: sys.stdin.readline() or None
+    import readline  # noqa: F401  (gives input() line editing and history)
+
+    def read() -> str | None:
+        try:
+            return input("> ")
+        except EOFError:
+            return None
+
+    return read
+
+
+def lines_of(stream: TextIO) -> Callable[[], str | None]:
+    return lambda: stream.readline() or None
 
 
 def chat_loop(
     llm: LLM,
     params: SamplingParams,
     system: str | None,
-    stdin: TextIO,
+    read_line: Callable[[], str | None],
     stdout: TextIO,
     say: Callable[[str], None],
-    *,
-    interactive: bool = False,
 ) -> list[dict[str, str]]:
-    """Read user turns from `stdin` until /exit or its end; returns the conversation."""
+    """Read user turns with `read_line` until /exit or the end of input (None); returns the
+    conversation."""
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     while True:
-        if interactive:
-            stdout.write("> ")
-            stdout.flush()
-        line = stdin.readline()
-        if not line:  # end of input
+        line = read_line()
+        if line is None:
             break
         text = line.strip()
         if text in ("/exit", "/quit"):
