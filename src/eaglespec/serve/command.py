@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from eaglespec.calibration import CalibrationStore
 from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
 from eaglespec.errors import InvalidRequestError
 
@@ -62,6 +63,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         prefill_chunk=args.prefill_chunk or None,
     )
+    calibration = CalibrationStore.open(llm, lambda line: print(line, file=sys.stderr))
     app = create_app(llm, options)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        calibration.save()  # what serving taught the policy, per batch size, for the next start
     return 0
