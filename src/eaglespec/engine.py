@@ -430,11 +430,6 @@ def _round_logprobs(
     return to_host(token_logprobs(at, emitted, max(k)), tokens, k)
 
 
-def _arange_rows(ids: torch.Tensor) -> torch.Tensor:
-    B, T = ids.shape
-    return torch.arange(T, device=ids.device).expand(B, T)
-
-
 def _verify(
     tree: DraftTree,
     logits: torch.Tensor,
