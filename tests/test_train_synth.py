@@ -109,27 +109,38 @@ def test_summary_prompts_pick_long_finished_answers() -> None:
 
 
 def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
-    """What the pipeline's --init-from does: the saved head's trainable weights and vocabulary
-    come back into a fresh fp32 head built around the target's embedding."""
+    """What the pipeline's --init-from does: the saved head's weights come back into a fresh fp32
+    head built around the target's embedding with this run's vocabulary; lm_head rows of tokens
+    in both vocabularies continue, the others start from the target's rows."""
     from eaglespec.train.pipeline import build_head, init_head
     from eaglespec.train.vocab import DraftVocab
 
     target = tiny_target(0, vocab=V, layers=4)
     capture = default_capture(4)
     saved = random_eagle3(target, draft_vocab_size=32, seed=3)
+    old_ids = torch.arange(0, 64, 2)  # the saved head drafts even ids
+    saved.d2t.copy_(old_ids - torch.arange(32))
     folder = save_eagle3(saved, tmp_path / "h", capture, num_target_layers=4)
     loaded = load_eagle3(folder, target)
 
     class _Loaded:
         model, config = target, target.cfg
 
-    vocab = DraftVocab(torch.arange(32) + loaded.head.d2t, V)
-    head = build_head(_Loaded(), vocab, 3, "cpu")  # type: ignore[arg-type]
-    init_head(head, loaded, capture)
+    new_ids = torch.arange(16, 48)  # this run's vocabulary: half of it shared
+    head = build_head(_Loaded(), DraftVocab(new_ids, V), 3, "cpu")  # type: ignore[arg-type]
+    assert init_head(head, loaded, capture) == 16  # 16, 18, .., 46
     mine = head.state_dict()
     for name, t in saved.state_dict().items():
-        if not name.startswith("embed."):
+        if not name.startswith(("embed.", "lm_head.")) and name != "d2t":
             assert torch.equal(mine[name].to(t.dtype), t), name
+    assert torch.equal(head.d2t, new_ids - torch.arange(32))
+    for row, tid in enumerate(new_ids.tolist()):
+        want = (
+            saved.lm_head.weight[tid // 2].float()
+            if tid % 2 == 0
+            else target.lm_head.weight[tid].float()
+        )
+        assert torch.equal(head.lm_head.weight[row], want), tid
     with pytest.raises(ValueError, match="captures layers"):
         init_head(head, loaded, (0, 1, 2))
 

@@ -64,7 +64,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--init-from",
         type=Path,
         metavar="HEAD",
-        help="continue training this head (its draft vocabulary and capture layers are kept)",
+        help="continue training this head: its weights (and lm_head rows of tokens still in the "
+        "rebuilt draft vocabulary); its capture layers must match",
     )
     p.add_argument("--stop-after", choices=STAGES, default="eval")
     g = p.add_argument_group("regeneration")

@@ -54,7 +54,7 @@ class PipelineConfig:
     regen: RegenConfig = field(default_factory=RegenConfig)
     summaries: int = 0  # "Summarize: <answer>" prompts over the target's own long answers
     summary_min_tokens: int = 150  # answers at least this long are summarized
-    init_from: Path | None = None  # a head to continue training (its draft vocabulary is kept)
+    init_from: Path | None = None  # a head to continue training (weights; vocabulary rebuilt)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
     capture: tuple[int, ...] | None = None  # boundary ids; default (2, N//2, N-3)
     target_dtype: str = "bfloat16"  # regeneration and capture
@@ -131,11 +131,8 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     samples = read_samples(work / "responses.jsonl")
     train_s, held_s = split_heldout(samples, cfg.heldout)
     init = load_eagle3(cfg.init_from, target.model) if cfg.init_from else None
-    if init is not None:  # the head's lm_head rows are tied to its vocabulary: keep both
-        vocab = DraftVocab(torch.arange(len(init.head.d2t)) + init.head.d2t.cpu(), tcfg.vocab_size)
-    else:
-        size_v = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
-        vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size)
+    size_v = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
+    vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size)
     report["data"] = {
         "samples": len(samples),
         "train_samples": len(train_s),
@@ -167,8 +164,11 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     held_f = [by_key[s.key] for s in held_s if s.key in by_key]
     head = build_head(target, vocab, len(capture), cfg.device)
     if init is not None:
-        init_head(head, init, capture)
-        log(f"train: continuing from the head in {cfg.init_from}")
+        rows = init_head(head, init, capture)
+        log(
+            f"train: continuing from the head in {cfg.init_from} ({rows} of {len(vocab.ids)} "
+            "lm_head rows carried over; the rest start from the target's)"
+        )
     curve: list[dict[str, Any]] = []
     heldout_curve: list[dict[str, Any]] = []
     history = train(
@@ -230,9 +230,11 @@ def build_head(target: LoadedModel, vocab: DraftVocab, num_aux: int, device: str
     return head
 
 
-def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> None:
-    """Copy a saved head's weights into `head` (built by build_head with the saved head's
-    vocabulary) as fp32 master weights; the embedding stays the target's."""
+def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> int:
+    """Continue a saved head: its weights become `head`'s fp32 master weights (the embedding
+    stays the target's). `head` keeps its own draft vocabulary (built from this run's data): the
+    lm_head rows of tokens in both vocabularies continue from the saved head, the other rows keep
+    build_head's start (the target's rows). Returns how many rows continued."""
     if tuple(init.capture) != tuple(capture):
         raise ValueError(
             f"the head to continue captures layers {list(init.capture)}, this run {list(capture)}"
@@ -240,9 +242,25 @@ def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> No
     own = {
         k: v.float() if v.is_floating_point() else v
         for k, v in init.head.state_dict().items()
-        if not k.startswith("embed.")
+        if not k.startswith(("embed.", "lm_head.")) and k != "d2t"
     }
     head.load_state_dict(own, strict=False)
+    old_ids = (
+        torch.arange(len(init.head.d2t)) + init.head.d2t.cpu()
+    ).tolist()  # old row -> target id
+    new_ids = (torch.arange(len(head.d2t)) + head.d2t.cpu()).tolist()
+    new_row = {t: i for i, t in enumerate(new_ids)}
+    pairs = [(new_row[t], i) for i, t in enumerate(old_ids) if t in new_row]
+    assert isinstance(head.lm_head, nn.Linear)
+    saved_w = init.head.lm_head.weight
+    assert isinstance(saved_w, torch.Tensor)
+    if pairs:
+        dst = torch.tensor([a for a, _ in pairs])
+        src = torch.tensor([b for _, b in pairs])
+        saved = saved_w.detach().float().to(head.lm_head.weight.device)
+        with torch.no_grad():
+            head.lm_head.weight[dst] = saved[src]
+    return len(pairs)
 
 
 def heldout_acceptance(cfg: PipelineConfig, held: Sequence[Sample], log: Log) -> dict[str, Any]:
