@@ -106,7 +106,7 @@ def test_adaptive_rounds_through_the_engine_are_lossless() -> None:
 def test_calibrate_stores_what_generate_starts_from(llm: LLM, tiny_hf_folder: Path) -> None:
     prompts = [llm.encode("Once upon a time"), llm.encode("def add(a, b):")]
     policy, arms = calibrate(llm, prompts, max_tokens=6)
-    assert [a.choice for a in arms] == ["chain0", "chain1", "chain2", "tree2,2,3"]
+    assert [a.choice for a in arms] == ["plain", "chain1", "chain2", "tree2,2,3"]
     for a in arms:
         assert a.rounds >= 2 and a.seconds_per_round > 0 and a.tokens_per_round >= 1.0
         assert a.tokens_per_second == pytest.approx(a.tokens_per_round / a.seconds_per_round)
@@ -178,7 +178,7 @@ def test_bench_calibrate_prints_and_stores(
     argv += ["--draft", "random", "--max-tokens", "6", "--num-draft", "2", "--quiet"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "| chain0 |" in out and "| chain2 |" in out and "best at batch 1:" in out
+    assert "| plain |" in out and "| chain2 |" in out and "best at batch 1:" in out
     stored = Path(out.strip().rsplit("stored in ", 1)[1])
     record = json.loads(stored.read_text())
     assert record["source"] == "calibrate" and record["key"]["num_draft"] == 2

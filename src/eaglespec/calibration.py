@@ -99,11 +99,12 @@ def save_calibration(key: CalibrationKey, policy: AdaptiveDraft, source: str) ->
     """Store `policy`'s state for `key` (atomically: a reader never sees half a file)."""
     path = key.file()
     path.parent.mkdir(parents=True, exist_ok=True)
+    best = policy.best(1)
     record = {
         "key": asdict(key),
         "source": source,  # "calibrate" or "generate"
         "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "best": _name(policy.best(1)),
+        "best": None if best is None else arm_name(best),
         "policy": policy.state(),
     }
     tmp = path.with_suffix(".tmp")
@@ -148,7 +149,7 @@ class CalibrationStore:
 
 @dataclass(frozen=True, slots=True)
 class ArmResult:
-    choice: str
+    choice: str  # "plain", "chain<k>" or "tree<depth>,<top-k>,<nodes>"
     rounds: int
     seconds_per_round: float
     tokens_per_round: float  # bonus included
@@ -185,7 +186,7 @@ def calibrate(
         mean = sum(seconds) / len(seconds)
         per_round = sum(tokens) / len(tokens)
         policy.record(choice, 1, mean, per_round)
-        rows.append(ArmResult(choice.name, len(seconds), mean, per_round, per_round / mean))
+        rows.append(ArmResult(arm_name(choice), len(seconds), mean, per_round, per_round / mean))
     return policy, rows
 
 
@@ -206,7 +207,6 @@ class _Recorder(FixedDraft):
         self.tokens.extend(1 + a for a in accepted)
 
 
-def _name(choice: DraftChoice | None) -> str | None:
-    if choice is None:
-        return None
+def arm_name(choice: DraftChoice) -> str:
+    """The arm as reports name it: "plain" for a zero-draft chain, else the policy's name."""
     return "plain" if choice.num_draft == 0 and choice.tree is None else choice.name

@@ -85,7 +85,7 @@ DEFAULT_TREE = "4,4,16"
 
 def _calibrate(args: argparse.Namespace, questions: list[Question]) -> int:
     """`--calibrate`: the adaptive policy's arms measured on the first turns, then stored."""
-    from eaglespec.calibration import calibrate, calibration_key, save_calibration
+    from eaglespec.calibration import arm_name, calibrate, calibration_key, save_calibration
     from eaglespec.llm import LLM
 
     head = args.draft or packaged_head(args.model)
@@ -117,7 +117,7 @@ def _calibrate(args: argparse.Namespace, questions: list[Question]) -> int:
             f"{a.tokens_per_round:.2f} | {a.tokens_per_second:.1f} |"
         )
     best = policy.best(1)
-    print(f"best at batch 1: {best.name if best else '-'}; stored in {path}")
+    print(f"best at batch 1: {arm_name(best) if best else '-'}; stored in {path}")
     return 0
 
 
