@@ -625,3 +625,51 @@ def test_random_head_is_seeded(target: Transformer) -> None:
     ids, aux = _inputs(1, 4, 3)
     out = _run(a, ids, a.combine(aux))
     assert torch.isfinite(out.logits).all() and out.logits.abs().max() < 50
+
+
+def test_zero_draft_catch_ups_are_fed_together_when_drafting_resumes() -> None:
+    """Plain rounds (one token per row) leave their catch-ups pending; the next proposal feeds
+    them in one head forward. The head ends in the state single-token catch-ups would give it
+    (cache entries, logits, pre-norm state), and select_rows / concat carry the pending along."""
+    from eaglespec.draft.loader import random_eagle3
+    from eaglespec.draft.proposer import Eagle3Proposer
+    from helpers import tiny_target
+
+    target = tiny_target(0, vocab=96, layers=4)
+    head = random_eagle3(target, seed=1)
+    proposer = Eagle3Proposer(head, (1, 2, 3))
+    gen = torch.Generator().manual_seed(0)
+    Ct = target.cfg.hidden_size
+    prompts = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
+
+    def started():  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(1)
+        aux = [torch.randn(2, 4, Ct, generator=g) for _ in range(3)]
+        return proposer.start(prompts, torch.tensor([3, 4]), aux, [4, 3], 32)
+
+    steps = [
+        (
+            torch.randint(0, 96, (2, 1), generator=gen),
+            [torch.randn(2, 1, Ct, generator=gen) for _ in range(3)],
+        )
+        for _ in range(3)
+    ]
+    deferred, eager = started(), started()
+    for tokens, aux in steps:
+        deferred = proposer.catch_up(deferred, tokens, aux, [1, 1])
+        eager = proposer._advance(eager.cache, tokens, aux, [1, 1])  # one head step each
+    assert deferred.pending_tokens is not None and deferred.pending_tokens.shape == (2, 3)
+    assert deferred.cache.lengths == [4, 3]  # nothing fed yet
+    kept = proposer.select_rows(deferred, [1])
+    assert kept.pending_tokens is not None and kept.pending_tokens.shape == (1, 3)
+    drafts = proposer.propose(deferred, 2)  # feeds the three pending tokens first
+    assert deferred.pending_tokens is None and deferred.cache.lengths == eager.cache.lengths
+    torch.testing.assert_close(deferred.logits, eager.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(deferred.prenorm, eager.prenorm, atol=1e-4, rtol=1e-4)
+    for b, n in enumerate(eager.cache.lengths):  # committed entries (propose left scratch past)
+        for c in ("k", "v"):
+            got, want = getattr(deferred.cache, c), getattr(eager.cache, c)
+            torch.testing.assert_close(got[:, b, :, :n], want[:, b, :, :n], atol=1e-4, rtol=1e-4)
+    assert torch.equal(drafts, proposer.propose(eager, 2))
+    merged = proposer.concat([kept, started()])  # a pending part is fed before the concat
+    assert merged.pending_tokens is None and merged.cache.lengths == [6, 4, 3]

@@ -32,16 +32,29 @@ from eaglespec.tree import DraftTree, build_tree
 
 @dataclass
 class DraftState:
-    cache: KVCache  # the head's KV cache; committed length == the target's
+    cache: KVCache  # the head's KV cache; committed length == the target's minus `pending`
     logits: torch.Tensor  # (B, Vd) fp32 head output at the last committed position
     prenorm: torch.Tensor  # (B, C) its pre-norm state: the feature estimate for the next step
+    # Catch-ups of zero-draft rounds (one token per row each), not yet fed to the head: drafting
+    # rounds feed them all in one forward, so plain steps do not pay a head step each.
+    pending_tokens: torch.Tensor | None = None  # (B, P)
+    pending_aux: list[torch.Tensor] | None = None  # each (B, P, Ct)
 
     def select_rows(self, rows: Sequence[int]) -> DraftState:
         idx = torch.tensor(list(rows), device=self.logits.device)
-        return DraftState(self.cache.select_rows(rows), self.logits[idx], self.prenorm[idx])
+        pending = self.pending_aux
+        return DraftState(
+            self.cache.select_rows(rows),
+            self.logits[idx],
+            self.prenorm[idx],
+            None if self.pending_tokens is None else self.pending_tokens[idx],
+            None if pending is None else [a[idx] for a in pending],
+        )
 
     @staticmethod
     def concat(parts: Sequence[DraftState]) -> DraftState:
+        """Parts without pending catch-ups (Eagle3Proposer.concat feeds them first)."""
+        assert all(p.pending_tokens is None for p in parts), "feed pending catch-ups first"
         return DraftState(
             KVCache.concat([p.cache for p in parts]),
             torch.cat([p.logits for p in parts]),
@@ -75,7 +88,7 @@ class Eagle3Proposer:
         return state.select_rows(rows)
 
     def concat(self, states: Sequence[DraftState]) -> DraftState:
-        return DraftState.concat(states)
+        return DraftState.concat([self.flush(s) for s in states])
 
     def catch_up(
         self,
@@ -84,7 +97,32 @@ class Eagle3Proposer:
         aux: Sequence[torch.Tensor],  # target states of root + accepted nodes, each (B, A, Ct)
         counts: Sequence[int],  # accepted + 1 per row
     ) -> DraftState:
+        """A zero-draft round's catch-up (one token per row) is kept pending until the next
+        drafting round needs the head (`flush`); any other is fed at once, after the pending."""
+        if tokens.shape[1] == 1 and all(c == 1 for c in counts):
+            if state.pending_tokens is None or state.pending_aux is None:
+                return DraftState(state.cache, state.logits, state.prenorm, tokens, list(aux))
+            return DraftState(
+                state.cache,
+                state.logits,
+                state.prenorm,
+                torch.cat([state.pending_tokens, tokens], dim=1),  # (B, P + 1)
+                [torch.cat([p, a], dim=1) for p, a in zip(state.pending_aux, aux, strict=True)],
+            )
+        state = self.flush(state)
         return self._advance(state.cache, tokens, aux, counts)
+
+    def flush(self, state: DraftState) -> DraftState:
+        """Feed the pending catch-ups (P tokens per row) to the head in one forward; updates
+        `state` in place (its cache is advanced in place anyway) and returns it."""
+        if state.pending_tokens is None or state.pending_aux is None:
+            return state
+        P = state.pending_tokens.shape[1]
+        counts = [P] * state.pending_tokens.shape[0]
+        fed = self._advance(state.cache, state.pending_tokens, state.pending_aux, counts)
+        state.logits, state.prenorm = fed.logits, fed.prenorm
+        state.pending_tokens = state.pending_aux = None
+        return state
 
     def _advance(
         self,
@@ -107,7 +145,9 @@ class Eagle3Proposer:
 
     def propose(self, state: DraftState, k: int) -> torch.Tensor:
         """(B, k) target-vocabulary draft tokens. Scratch entries are written past the committed
-        length and forgotten afterwards (the cache is truncated back)."""
+        length and forgotten afterwards (the cache is truncated back). Pending catch-ups are
+        fed first."""
+        self.flush(state)
         committed = list(state.cache.lengths)
         dev = state.logits.device
         token = self.head.to_target(state.logits.argmax(-1))  # (B,)
@@ -130,6 +170,7 @@ class Eagle3Proposer:
         Level l's nodes (level 1 = children of the root) are fed at position committed + l - 1,
         each with its parent's pre-norm output; they see the committed prefix, their ancestors
         among the earlier levels' scratch entries and themselves."""
+        self.flush(state)
         B, K = roots.shape[0], shape.top_k
         dev = roots.device
         committed = list(state.cache.lengths)
