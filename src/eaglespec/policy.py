@@ -13,10 +13,11 @@ power-of-two bucket of B, since verifying k + 1 tokens for B rows costs more as 
 tree configured beside the chains is one more arm with its own measured tokens per round.
 
 k = 0 is a plain decoding step (the draft only catches up), so drafting stops when no k > 0
-beats it. Arms never measured at a batch bucket are tried once before their costs are trusted,
-and while drafting is off a probe round every `probe_every` rounds keeps the acceptance estimate
-from going stale. This is the cost model the server runs; nothing in it is a constant guessed
-for a machine.
+beats it by a margin (5%, so that round-time noise alone does not move it off plain steps). Arms
+never measured at a batch bucket are tried once before their costs are trusted, and while
+drafting is off a probe round every `probe_every` rounds keeps the acceptance estimate from going
+stale. This is the cost model the server runs; nothing in it is a constant guessed for a machine
+(the margin is a tolerance for noise, not a cost).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class AdaptiveDraft:
         smoothing: float = 0.2,
         forget: float = 0.995,
         probe_every: int = 32,
+        margin: float = 0.05,
     ) -> None:
         if max_draft < 1:
             raise InvalidRequestError(f"adaptive drafting needs max_draft >= 1, got {max_draft}")
@@ -87,6 +89,7 @@ class AdaptiveDraft:
         self.smoothing = smoothing  # weight of a new round time in its moving average
         self.forget = forget  # per-row decay of the acceptance counts
         self.probe_every = probe_every
+        self.margin = margin  # how much faster than plain steps a drafting arm must look
         self.proposed = [0.0] * max_draft  # [j]: rows that proposed >= j + 1 (decayed)
         self.accepted = [0.0] * max_draft  # [j]: rows that accepted >= j + 1 (decayed)
         self.rounds_without_drafts = 0
@@ -108,6 +111,9 @@ class AdaptiveDraft:
             if bucket not in self.arms[c].seconds:
                 return c
         best = max(self.choices, key=lambda c: self.rate(c, bucket))
+        plain = self.choices[0]
+        if self.rate(best, bucket) < (1 + self.margin) * self.rate(plain, bucket):
+            best = plain  # drafting must beat plain steps clearly, not within round-time noise
         if best.num_draft == 0 and best.tree is None:
             self.rounds_without_drafts += 1
             if self.rounds_without_drafts >= self.probe_every:  # refresh the acceptance estimate
