@@ -26,7 +26,7 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import next_tokens, pad_right, step_logprobs
 from eaglespec.logprobs import TokenLogprob, to_host, token_logprobs
 from eaglespec.model.llama import ForwardOutput, Transformer
-from eaglespec.policy import DraftChoice, DraftPolicy
+from eaglespec.policy import DraftChoice, DraftPolicy, FixedDraft
 from eaglespec.requests import (
     RequestState,
     StreamEvent,
@@ -133,14 +133,10 @@ def generate_speculative(
     check_speculation(proposer, params, tree)
     runner = BatchRunner(target, proposer, tokenizer, max_draft=draft_width(num_draft, tree))
     yield from runner.join(prompts, params, range(len(prompts)))
-    fixed = DraftChoice(num_draft, tree)
+    if policy is None:
+        policy = FixedDraft(DraftChoice(num_draft, tree))
     while runner.seqs:
-        batch = len(runner.seqs)
-        choice = fixed if policy is None else policy.choose(batch)
-        report = runner.round(choice.num_draft, choice.tree)
-        if policy is not None:
-            policy.observe(batch, choice, report.seconds, report.output.accepted)
-        yield from report.events
+        yield from runner.policy_round(policy).events
 
 
 def check_speculation(
@@ -237,6 +233,15 @@ class BatchRunner:
             self.batch = SpecBatch.concat(self.proposer, parts) if len(parts) > 1 else batch
             self.seqs += [seqs[r] for r in keep]
         return events
+
+    def policy_round(self, policy: DraftPolicy) -> RoundReport:
+        """One round with the shape `policy` picks for this batch size; the policy then observes
+        the round's time and acceptance."""
+        batch = len(self.seqs)
+        choice = policy.choose(batch)
+        report = self.round(choice.num_draft, choice.tree)
+        policy.observe(batch, choice, report.seconds, report.output.accepted)
+        return report
 
     def round(self, num_draft: int, tree: TreeConfig | None) -> RoundReport:
         """One draft-and-verify round for every row; finished rows leave afterwards."""

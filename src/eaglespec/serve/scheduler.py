@@ -213,16 +213,13 @@ class Scheduler:
             self._finish(sub, "error")
 
     def _round(self) -> None:
-        batch = len(self.runner.seqs)
-        choice = self.policy.choose(batch)
         try:
-            report = self.runner.round(choice.num_draft, choice.tree)
+            report = self.runner.policy_round(self.policy)
         except Exception as e:  # an engine bug: fail the batch, keep serving
             ids = [s.out.index for s in self.runner.seqs]
             self.runner.drop(ids)
             self._fail([self._running[i] for i in ids], e)
             return
-        self.policy.observe(batch, choice, report.seconds, report.output.accepted)
         self.metrics.record_round(report.output.drafted, report.output.accepted)
         self._dispatch(report.events)
 
