@@ -10,7 +10,7 @@ import torch
 from eaglespec.config import SamplingParams
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import DraftState, Eagle3Proposer
-from eaglespec.engine import speculate_round, start_batch
+from eaglespec.engine import Prefill, speculate_round
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs, new_states
@@ -52,7 +52,9 @@ def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
     right = [3, 1]  # row 0 accepts 3 of 4 drafts, row 1 accepts 1
     proposer = _HalfRightProposer(head, [g[1:] for g in greedy], right)
     seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
-    batch = start_batch(target, proposer, prompts, params, seqs, capacity=32).batch
+    prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
+    prefill.step()  # the whole prompts in one forward
+    batch = prefill.finish().batch
     out = speculate_round(target, proposer, batch, num_draft=4, tree=None)
     assert out.accepted == right
     for row, (prompt, g) in enumerate(zip(prompts, greedy, strict=True)):

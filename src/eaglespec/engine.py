@@ -279,20 +279,6 @@ class BatchRunner:
         self.batch = self.batch.select(self.proposer, rows) if rows else None
 
 
-def start_batch(
-    target: Transformer,
-    proposer: Proposer,
-    prompts: Sequence[Sequence[int]],
-    params: Sequence[SamplingParams],
-    seqs: Sequence[RequestState],
-    capacity: int,
-) -> StartedBatch:
-    """Target prefill (ragged, capturing what the proposer reads), first tokens, proposer start."""
-    prefill = Prefill(target, proposer, prompts, params, seqs, capacity, None, time.perf_counter())
-    prefill.step()
-    return prefill.finish()
-
-
 class Prefill:
     """The target prefill of a group of new rows, `chunk` prompt positions per `step` (None:
     the whole prompts in one step). Each chunk is one right-padded forward onto the cache built
