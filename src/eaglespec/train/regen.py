@@ -19,6 +19,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eaglespec.config import SamplingParams
 from eaglespec.generate import generate_stream
@@ -56,15 +57,15 @@ class RegenSummary:
     response_tokens: int  # over all samples in the file
 
 
-def read_samples(path: Path) -> list[Sample]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file the pipeline appends to; none when it does not exist."""
     if not path.exists():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out.append(Sample(d["key"], d["prompt"], d["response"], d["finish"]))
-    return out
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_samples(path: Path) -> list[Sample]:
+    return [Sample(d["key"], d["prompt"], d["response"], d["finish"]) for d in read_jsonl(path)]
 
 
 def regenerate(

@@ -27,7 +27,7 @@ from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs
 from eaglespec.tokenizer import Tokenizer
 from eaglespec.train.data import Conversation
-from eaglespec.train.regen import Sample
+from eaglespec.train.regen import Sample, read_jsonl
 
 _SENTINEL = "\x00eaglespec-user-turn\x00"
 SUMMARIZE = "Summarize: {text}"
@@ -54,14 +54,7 @@ def user_turn_prefix(tokenizer: Tokenizer) -> list[int]:
 
 
 def read_synth_prompts(path: Path) -> list[Conversation]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out.append(Conversation(tuple(d["turns"]), f"synth:{d['seed']}"))
-    return out
+    return [Conversation(tuple(d["turns"]), f"synth:{d['seed']}") for d in read_jsonl(path)]
 
 
 def synthesize_prompts(
