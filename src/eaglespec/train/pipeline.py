@@ -29,6 +29,7 @@ from eaglespec.draft.eagle3 import Eagle3Head
 from eaglespec.draft.loader import LoadedDraft, load_eagle3, save_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
+from eaglespec.errors import InvalidRequestError
 from eaglespec.model.loader import LoadedModel, load_model, parse_dtype
 from eaglespec.registry import resolve_model
 from eaglespec.requests import collect_outputs
@@ -87,6 +88,10 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     tcfg = target.config
     capture = resolve_capture_layers(DraftConfig.like_target(tcfg), tcfg.num_layers, cfg.capture)
     report["capture"] = list(capture)
+    # The head to continue is loaded and checked before regeneration, not after an hour of it.
+    init = load_eagle3(cfg.init_from, target.model) if cfg.init_from else None
+    if init is not None:
+        check_init_capture(init, capture)
 
     t = time.perf_counter()
     if rank == 0:
@@ -130,7 +135,6 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
 
     samples = read_samples(work / "responses.jsonl")
     train_s, held_s = split_heldout(samples, cfg.heldout)
-    init = load_eagle3(cfg.init_from, target.model) if cfg.init_from else None
     size_v = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
     vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size)
     report["data"] = {
@@ -230,15 +234,20 @@ def build_head(target: LoadedModel, vocab: DraftVocab, num_aux: int, device: str
     return head
 
 
+def check_init_capture(init: LoadedDraft, capture: Sequence[int]) -> None:
+    if tuple(init.capture) != tuple(capture):
+        raise InvalidRequestError(
+            f"--init-from: the head to continue captures layers {list(init.capture)}, this run "
+            f"{list(capture)} (pass --capture to match)"
+        )
+
+
 def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> int:
     """Continue a saved head: its weights become `head`'s fp32 master weights (the embedding
     stays the target's). `head` keeps its own draft vocabulary (built from this run's data): the
     lm_head rows of tokens in both vocabularies continue from the saved head, the other rows keep
     build_head's start (the target's rows). Returns how many rows continued."""
-    if tuple(init.capture) != tuple(capture):
-        raise ValueError(
-            f"the head to continue captures layers {list(init.capture)}, this run {list(capture)}"
-        )
+    check_init_capture(init, capture)
     own = {
         k: v.float() if v.is_floating_point() else v
         for k, v in init.head.state_dict().items()
