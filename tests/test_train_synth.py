@@ -111,17 +111,22 @@ def test_summary_prompts_pick_long_finished_answers() -> None:
 def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
     """What the pipeline's --init-from does: the saved head's weights come back into a fresh fp32
     head built around the target's embedding with this run's vocabulary; lm_head rows of tokens
-    in both vocabularies continue, the others start from the target's rows."""
+    in both vocabularies continue, the others start from the target's rows mapped onto the saved
+    head's scale (the linear map fitted on the shared rows)."""
     from eaglespec.train.pipeline import build_head, init_head
     from eaglespec.train.vocab import DraftVocab
 
-    target = tiny_target(0, vocab=V, layers=4)
+    target = tiny_target(0, vocab=V, layers=4, hidden=16)
     capture = default_capture(4)
     saved = random_eagle3(target, draft_vocab_size=32, seed=3)
     old_ids = torch.arange(0, 64, 2)  # the saved head drafts even ids
     saved.d2t.copy_(old_ids - torch.arange(32))
+    torch.manual_seed(5)
+    M = torch.randn(16, 16) / 4  # the saved head's rows: the target's, mapped by M
+    with torch.no_grad():
+        saved.lm_head.weight.copy_(target.lm_head.weight[old_ids] @ M)
     folder = save_eagle3(saved, tmp_path / "h", capture, num_target_layers=4)
-    loaded = load_eagle3(folder, target)
+    loaded = load_eagle3(folder, target, dtype=torch.float32)
 
     class _Loaded:
         model, config = target, target.cfg
@@ -135,12 +140,11 @@ def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
             assert torch.equal(mine[name].to(t.dtype), t), name
     assert torch.equal(head.d2t, new_ids - torch.arange(32))
     for row, tid in enumerate(new_ids.tolist()):
-        want = (
-            saved.lm_head.weight[tid // 2].float()
-            if tid % 2 == 0
-            else target.lm_head.weight[tid].float()
-        )
-        assert torch.equal(head.lm_head.weight[row], want), tid
+        if tid % 2 == 0:  # carried over exactly
+            assert torch.equal(head.lm_head.weight[row], loaded.head.lm_head.weight[tid // 2])
+        else:  # the map fitted on the 16 shared rows recovers M
+            want = target.lm_head.weight[tid] @ M
+            torch.testing.assert_close(head.lm_head.weight[row], want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="captures layers"):
         init_head(head, loaded, (0, 1, 2))
 
