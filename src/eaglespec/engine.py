@@ -116,6 +116,7 @@ class PhaseClock:
         return [b - a for a, b in zip(m, m[1:], strict=False)]
 
 
+@torch.inference_mode()  # per resumption of the generator, not leaking into the caller's code
 def generate_speculative(
     target: Transformer,
     proposer: Proposer,

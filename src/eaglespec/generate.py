@@ -22,6 +22,7 @@ from eaglespec.sampling import SamplingTensors, apply_repetition_penalty, probs_
 from eaglespec.tokenizer import Tokenizer
 
 
+@torch.inference_mode()  # per resumption of the generator, not leaking into the caller's code
 def generate_stream(
     model: Transformer,
     tokenizer: Tokenizer,

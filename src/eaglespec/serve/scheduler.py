@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from eaglespec.config import SamplingParams
 from eaglespec.engine import BatchRunner, Prefill
 from eaglespec.errors import EaglespecError
@@ -135,6 +137,10 @@ class Scheduler:
     # --- the engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        with torch.inference_mode():  # the engine thread only decodes: no autograd bookkeeping
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not (self._waiting or self._running or self._closing or self._cancelled):
