@@ -74,10 +74,16 @@ def test_compiled_steps_compute_the_eager_steps(eager: Transformer, mode: str) -
 PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
 
 
-@pytest.mark.parametrize("quant", ["none", "int4"])
-def test_speculation_over_a_compiled_target_is_lossless(eager: Transformer, quant: str) -> None:
+@pytest.mark.parametrize("compile", ["none", "block"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_speculation_over_a_quantized_or_compiled_target_is_lossless(
+    eager: Transformer, quant: str, compile: str
+) -> None:
+    """Greedy identity with respect to the same target, for each quantization, eager and
+    compiled: the quantized kernels compute each row alone (tests/test_quant.py), so verifying
+    k tokens in one forward gives the tokens k single steps give."""
     target = quantize_model(copy.deepcopy(eager), quant)
-    target.compile_steps("block")
+    target.compile_steps(compile)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (14, 9, 20)]
     plain = collect_outputs(generate_stream(target, NullTokenizer(), PROMPTS, params))
     seqs = [p + o.token_ids + [0] * 8 for p, o in zip(PROMPTS, plain, strict=True)]
