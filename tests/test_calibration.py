@@ -19,7 +19,7 @@ from eaglespec.calibration import (
     save_calibration,
 )
 from eaglespec.chat import chat_loop, lines_of
-from eaglespec.cli import main
+from eaglespec.cli import main, warm_up
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
@@ -142,6 +142,18 @@ def test_generate_compares_with_plain_decoding(
     assert result["speculation"] == "adaptive"
     assert main([*args, "--json", "Once"]) == 0  # --json alone skips the comparison
     assert json.loads(capsys.readouterr().out)["plain"] is None
+
+
+def test_compare_warm_up_leaves_the_adaptive_policy_alone(tiny_hf_folder: Path) -> None:
+    """generate --compare's warm-up rounds are cold (first-call setup): they draft with the
+    configured shape and never enter the policy's averages."""
+    llm = _tiny_llm(tiny_hf_folder)
+    assert isinstance(llm.policy, AdaptiveDraft)
+    before = json.dumps(llm.policy.state(), sort_keys=True)
+    warm_up(llm, llm.encode("Once upon a time"), SamplingParams(max_tokens=8))
+    assert json.dumps(llm.policy.state(), sort_keys=True) == before
+    llm.generate(["Once upon a time"], SamplingParams(max_tokens=8))
+    assert json.dumps(llm.policy.state(), sort_keys=True) != before  # real runs do enter
 
 
 def test_generate_with_repetition_penalty_decodes_plainly(

@@ -17,6 +17,7 @@ from eaglespec.calibration import CalibrationStore
 from eaglespec.chat import add_chat_parser, cmd_chat
 from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
 from eaglespec.config import SamplingParams
+from eaglespec.engine import generate_speculative
 from eaglespec.errors import EaglespecError
 from eaglespec.generate import generate_stream
 from eaglespec.registry import MODELS, list_models, pull
@@ -104,9 +105,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = llm.encode(prompt, chat=not args.raw, system=args.system)
     speculating = llm.proposer is not None and llm.speculation != "off"
     compare = speculating and (not args.json if args.compare is None else args.compare)
-    if compare:  # warm both paths up, so neither timing pays for first-call setup
-        llm.generate([ids], replace(params, max_tokens=2))
-        plain_run(llm, ids, replace(params, max_tokens=2))
+    if compare:
+        warm_up(llm, ids, params)
     output = None
     for event in llm.stream([ids], params):
         if not args.json:
@@ -152,6 +152,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"speculative speedup {comparison['speedup']:.2f}x{same}]"
         )
     return 0
+
+
+def warm_up(llm: LLM, ids: list[int], params: SamplingParams) -> None:
+    """Both paths once over 2 tokens, so neither timing pays for first-call setup. The drafting
+    run uses the configured shape, not the adaptive policy: a cold round must not enter the
+    policy's averages (and the policy might not draft at all, leaving drafting cold)."""
+    assert llm.proposer is not None
+    short = replace(params, max_tokens=2)
+    draft = generate_speculative(
+        llm.model,
+        llm.proposer,
+        llm.tokenizer,
+        [ids],
+        [short],
+        num_draft=llm.num_draft,
+        tree=llm.tree,
+    )
+    collect_outputs(draft)
+    plain_run(llm, ids, short)
 
 
 def plain_run(llm: LLM, ids: list[int], params: SamplingParams) -> RequestOutput:
