@@ -188,6 +188,16 @@ def test_int4_mode_keeps_the_output_head_at_int8() -> None:
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
 
 
+def test_int4_all_mode_quantizes_the_output_head_to_int4_too() -> None:
+    model = quantize_model(_tiny_model(tie=True), "int4-all")
+    assert all(
+        type(m).__name__ == "Int4Linear"
+        for name, m in model.named_modules()
+        if name == "lm_head" or name.endswith(("wqkv", "wo", "w13", "w2"))
+    )
+    assert isinstance(model.embed, nn.Embedding)  # the tied embedding keeps its dense rows
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_quantize_model_replaces_exactly_the_weight_layers(tie: bool) -> None:
     model = _tiny_model(tie, qkv_bias=True)
@@ -288,6 +298,8 @@ def test_cli_generate_with_int8_and_int4(
     assert main([*args, "--ignore-eos", "--quant", "int8", "--dtype", "bfloat16"]) == 0
     assert "4 tokens" in capsys.readouterr().err
     assert main([*args, "--ignore-eos", "--quant", "int4", "--dtype", "bfloat16"]) == 0
+    assert "4 tokens" in capsys.readouterr().err
+    assert main([*args, "--ignore-eos", "--quant", "int4-all", "--dtype", "bfloat16"]) == 0
     assert "4 tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*args, "--quant", "int3"])

@@ -46,9 +46,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="none",
         help="weight-only quantization of the linear layers (CPU only): int8 stores int8 "
         "weights with per-channel scales; int4 stores 4-bit weights in groups of 32 (the output "
-        "head stays int8). Both use bf16 activations in each matmul (the kernels' only fast "
-        "input dtype); with --dtype float32 the inputs are cast to bf16 and back around each "
-        "matmul, the rest of the model stays fp32",
+        "head stays int8; int4-all makes it int4 too, faster for large vocabularies such as "
+        "Qwen's, less exact for small ones). All use bf16 activations in each matmul (the "
+        "kernels' only fast input dtype); with --dtype float32 the inputs are cast to bf16 "
+        "and back around each matmul, the rest of the model stays fp32",
     )
     p.add_argument(
         "--compile",

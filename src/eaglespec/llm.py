@@ -29,7 +29,8 @@ class LLM:
     `model` is a registry name (pulled on first use), a GGUF file or a Hugging Face folder.
     String prompts get the model's chat template when `chat=True` and the model has one.
     `quant` "int8" / "int4" stores the linear layers as int8 / int4 weights (CPU only; see
-    model/quant.py), the target's and the draft's. `compile` "block" / "full" runs decode and
+    model/quant.py), the target's and the draft's; "int4" keeps the output head at int8,
+    "int4-all" makes it int4 too. `compile` "block" / "full" runs decode and
     verification steps of the target (and of a draft model) through torch.compile
     (`Transformer.compile_steps`): seconds to a minute of compiling on first use, then faster
     steps.

@@ -55,6 +55,14 @@ grows with the rows M (SmolLM2, all 121 matmuls, weights cold in cache: 5.3 / 6.
 27.8 ms at M = 1 / 2 / 4 / 8 / 16; int8 16.0 / 15.1 / 15.2 / 26.9 / 54.3; dense bf16 28.5 / 20.5
 / 36.1 / 25.2 / 33.9), and it stays the faster choice up to M = 16, so there is no dense path.
 
+## int4-all
+int4 for the output head as well. The head is the largest single matrix of small models with big
+vocabularies (Qwen2.5-0.5B: 151,936 x 896, 136 MB at int8, a third of a decode step's weight
+bytes), so int4 there buys speed where int8 costs most. Measured (BENCHMARKS.md, 2026-11-24):
+Qwen2.5-Coder-0.5B decode 31.4 -> 37.7 tok/s with the same accuracy as int4 (mean NLL +0.028 vs
++0.030 over fp32; the 4-bit decoder dominates the error), SmolLM2 64 -> 70 tok/s but its NLL rises
+from -0.002 to +0.034 (its Q8_0 head is re-rounded onto 4 bits, while its Q4_1 decoder is exact).
+
 Every kernel here computes each row of x on its own: row b of a forward over M rows is bitwise
 equal to the same row alone (checked in tests), which keeps speculative verification of M tokens
 consistent with one-token decode steps.
@@ -71,7 +79,7 @@ from torch import nn
 
 from eaglespec.errors import InvalidRequestError
 
-QUANT_MODES = ("none", "int8", "int4")
+QUANT_MODES = ("none", "int8", "int4", "int4-all")
 KERNEL_DTYPE = torch.bfloat16  # the one activation dtype the CPU int8 kernel vectorises
 KERNEL_MAX_ROWS = 64  # above this many rows, dequantize + dense fp32 is faster (measured, M=64)
 K_MULTIPLE = 16  # the AVX-512 kernel's step over K
@@ -277,6 +285,15 @@ def _check_int4_shape(N: int, K: int, group_size: int) -> None:
         )
 
 
+def _int4_if_it_fits(linear: nn.Linear) -> nn.Module:
+    """int4-all's output head: int4, or int8 for a vocabulary the int4 packing cannot take
+    (not a multiple of 16 rows; real vocabularies are: 49,152, 151,936, 128,256)."""
+    N, K = linear.weight.shape
+    if N % INT4_N_MULTIPLE == 0 and K % INT4_GROUP == 0:
+        return Int4Linear.from_linear(linear)
+    return Int8Linear.from_linear(linear)
+
+
 # mode -> (body layers, output head). int4 keeps the head (the lm_head, named "lm_head" in the
 # target and in EAGLE-3 heads) at int8: its logits decide every token, its rows are quantized more
 # finely in GGUF files (SmolLM2's Q4_1 file stores it as Q8_0, which per-channel int8 all but
@@ -284,6 +301,7 @@ def _check_int4_shape(N: int, K: int, group_size: int) -> None:
 _LAYERS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear], nn.Module]]] = {
     "int8": (Int8Linear.from_linear, Int8Linear.from_linear),
     "int4": (Int4Linear.from_linear, Int8Linear.from_linear),
+    "int4-all": (Int4Linear.from_linear, _int4_if_it_fits),
 }
 HEAD_NAME = "lm_head"
 
@@ -299,7 +317,8 @@ def quantize_model(model: M, mode: str) -> M:
     weight with the embedding: the head gets quantized codes of its own and the embedding keeps
     the dense tensor, so token lookups are unchanged. A module reachable under several names is
     quantized once and shared again. mode "none" returns the model untouched; "int8" makes every
-    layer int8; "int4" makes every layer int4 except the output head (`lm_head`), which is int8.
+    layer int8; "int4" makes every layer int4 except the output head (`lm_head`), which is int8;
+    "int4-all" makes the head int4 too (int8 if its vocabulary is not a multiple of 16).
     """
     check_quant_mode(mode)
     if mode == "none":

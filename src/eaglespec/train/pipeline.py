@@ -171,7 +171,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         rows = init_head(head, init, capture)
         log(
             f"train: continuing from the head in {cfg.init_from} ({rows} of {len(vocab.ids)} "
-            "lm_head rows carried over; the rest start from the target's rows, mapped onto its scale)"
+            "lm_head rows carried over; the rest start from the target's, mapped onto its scale)"
         )
     curve: list[dict[str, Any]] = []
     heldout_curve: list[dict[str, Any]] = []
