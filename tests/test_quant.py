@@ -16,7 +16,13 @@ from eaglespec.config import ModelConfig
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model.llama import Transformer
 from eaglespec.model.loader import load_model
-from eaglespec.model.quant import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, quantize_model
+from eaglespec.model.quant import (
+    KERNEL_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    code_spans,
+    quantize_model,
+)
 
 # bf16 keeps 8 significant bits: one rounding of the kernel's output is at most 2^-9 relative.
 BF16_RTOL, BF16_ATOL = 2**-8, 1e-5
@@ -158,6 +164,38 @@ def test_int4_recovers_q4_1_blocks_exactly() -> None:
     layer = Int4Linear.from_linear(dense)
     assert torch.equal(layer.codes(), codes.view(N, K))
     assert torch.equal(layer.dequantize(), dense.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_recovers_q4_k_blocks_that_span_fewer_steps(dtype: torch.dtype) -> None:
+    # A Q4_K sub-block's fitted scale often leaves its codes short of 0 or 15: the group lies on
+    # a grid of n < 15 steps from its min to its max. Min-max over 15 steps would re-round every
+    # weight; code_spans finds n and the weights come back exactly (in fp32; within the bf16
+    # rounding of the weights themselves when the model holds them in bf16).
+    torch.manual_seed(2)
+    N, K = 32, 96
+    d = (torch.rand(N, K // 32, 1) * 0.01 + 0.001).to(torch.bfloat16).float()
+    span = torch.randint(8, 16, (N, K // 32, 1))  # 8..15 steps used by each group
+    codes = (torch.rand(N, K // 32, 32) * (span + 1)).floor().clamp(max=span)
+    codes[..., :1], codes[..., 1:2] = 0, span  # the group's min and max on the grid's ends
+    w = (d * (codes + 3) - 11 * d).view(N, K)  # codes 3..3+n of a Q4_K block: an offset grid
+    dense = nn.Linear(K, N, bias=False).requires_grad_(False)
+    dense.weight.copy_(w.to(dtype).float())
+    assert torch.equal(
+        code_spans(dense.weight.view(N, K // 32, 32), *_min_max(dense.weight)), span[..., 0]
+    )
+    layer = Int4Linear.from_linear(dense)
+    assert torch.equal(layer.codes().view(N, K // 32, 32), codes.long())
+    err = (layer.dequantize() - dense.weight).abs().max()
+    assert float(err) <= (0.0 if dtype == torch.float32 else 2**-8 * float(w.abs().max()))
+    # A dense random weight lies on no coarser grid: every group spans the full 15 steps.
+    rand = torch.randn(N, K)
+    assert bool((code_spans(rand.view(N, K // 32, 32), *_min_max(rand)) == 15).all())
+
+
+def _min_max(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = w.view(w.shape[0], -1, 32)
+    return g.amin(-1), g.amax(-1)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

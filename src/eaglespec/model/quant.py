@@ -45,6 +45,9 @@ GGUF's Q4_0/Q4_1/Q4_K formats), min-max per group, scale and zero rounded to bf1
 
 A GGUF Q4_1 block stores w = d * q + m with q spanning 0..15, so min-max recovers d and m and the
 codes exactly; the only change from the file's weights is rounding d and m + 8d from fp16 to bf16.
+A group that lies exactly on a coarser grid (a Q4_K sub-block whose codes do not reach both 0 and
+15) gets its own span n < 15 instead of 15, s = (max - min) / n, so its codes come back exactly
+too (`code_spans`).
 
 The matmul is `torch._weight_int4pack_mm_for_cpu` on codes packed by
 `torch._convert_weight_to_int4pack_for_cpu` ((N, K) int32 -> (N, K/2) uint8). Its requirements,
@@ -228,14 +231,18 @@ class Int4Linear(_QuantLinear):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP) -> Int4Linear:
-        """Quantize a dense layer's weight (in whatever dtype it holds) as the module doc says."""
+    def from_linear(
+        cls, linear: nn.Linear, group_size: int = INT4_GROUP, *, fit_spans: bool = True
+    ) -> Int4Linear:
+        """Quantize a dense layer's weight (in whatever dtype it holds) as the module doc says;
+        `fit_spans=False` is plain min-max over 15 steps (for comparison, benchmarks/)."""
         w = linear.weight.detach().float()  # (N, K)
         N, K = w.shape
         _check_int4_shape(N, K, group_size)
         wg = w.view(N, K // group_size, group_size)  # (N, K/G, G)
         lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/G)
-        s = torch.where(hi > lo, (hi - lo) / 15, 1.0).to(KERNEL_DTYPE).float()  # (N, K/G)
+        span = code_spans(wg, lo, hi) if fit_spans else torch.full(lo.shape, 15)  # (N, K/G)
+        s = torch.where(hi > lo, (hi - lo) / span, 1.0).to(KERNEL_DTYPE).float()  # (N, K/G)
         q = ((wg - lo[..., None]) / s[..., None]).round_().clamp_(0, 15)  # (N, K/G, G)
         z = lo + 8 * s  # (N, K/G)
         sz = torch.stack((s, z), -1).transpose(0, 1).to(KERNEL_DTYPE)  # (K/G, N, 2)
@@ -274,6 +281,40 @@ class Int4Linear(_QuantLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, bias={bias}"
         )
+
+
+def code_spans(
+    wg: torch.Tensor,  # (N, K/G, G) fp32 weights by group
+    lo: torch.Tensor,  # (N, K/G) each group's min
+    hi: torch.Tensor,  # (N, K/G) each group's max
+    tol: float = 0.1,
+) -> torch.Tensor:
+    """(N, K/G) int64: the number of 4-bit steps n each group spans, 15 unless the group already
+    lies on a coarser grid lo + s * j, j in 0..n, n in 8..14 (then the largest such n).
+
+    A GGUF Q4_K sub-block stores w = d * sc * q - dmin * m with q in 0..15, but its fitted
+    scale rarely uses both ends: in Qwen2.5-Coder-1.5B's Q4_K tensors about 21% of the groups
+    span fewer than 15 steps, and min-max over 15 steps re-rounds every weight of those groups.
+    With their own span the codes come back exactly (Q4_1 and Q4_0 blocks always span 15).
+    `tol` (in steps) absorbs a bf16 model dtype's rounding of the dequantized weights (at most
+    about 0.03 steps); weights off any grid (dense checkpoints, 5- and 6-bit GGUF types) keep 15."""
+    span = torch.full(lo.shape, 15, dtype=torch.long)
+    width = (hi - lo).clamp(min=torch.finfo(torch.float32).tiny)  # (N, K/G)
+    off = ~_on_grid(wg, lo, width / 15, tol)  # (N, K/G) groups min-max would re-round
+    for n in range(14, 7, -1):
+        if not bool(off.any()):  # host sync, once per candidate at load
+            break
+        idx = off.nonzero(as_tuple=True)
+        fits = _on_grid(wg[idx], lo[idx], width[idx] / n, tol)  # (M,)
+        span[idx[0][fits], idx[1][fits]] = n
+        off[idx[0][fits], idx[1][fits]] = False
+    return span
+
+
+def _on_grid(wg: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, tol: float) -> torch.Tensor:
+    """(...) bool: every weight of the group is within `tol` steps of lo + step * j."""
+    x = (wg - lo[..., None]) / step[..., None]  # (..., G)
+    return (x - x.round()).abs().amax(-1) < tol
 
 
 def _check_int4_shape(N: int, K: int, group_size: int) -> None:
