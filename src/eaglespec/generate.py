@@ -3,7 +3,9 @@
 Each request has its own sampling parameters and generator; finished rows leave the batch (their
 cache rows are dropped) so the others do not pay for them. One host sync per step hands the new
 tokens back for streaming and stop checks (a second one, only when a request asks for logprobs,
-hands back their log-probabilities).
+hands back their log-probabilities). Decoding runs under torch.inference_mode, without autograd's
+per-op bookkeeping (eager bf16 int4 SmolLM2 decoding on the development CPU, in-process A/B over
+3 runs: 46-52 -> 52-57 tok/s; compiled steps within the noise).
 """
 
 from __future__ import annotations
