@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eaglespec.config import SamplingParams
-from eaglespec.engine import generate_speculative
 from eaglespec.paths import cache_dir
 from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft
 from eaglespec.requests import collect_outputs
@@ -171,18 +170,7 @@ def calibrate(
         tokens: list[int] = []
         forced = _Recorder(choice, policy, seconds, tokens)
         for ids in prompts:
-            collect_outputs(
-                generate_speculative(
-                    llm.model,
-                    llm.proposer,
-                    llm.tokenizer,
-                    [ids],
-                    [params],
-                    num_draft=llm.num_draft,
-                    tree=llm.tree,
-                    policy=forced,
-                )
-            )
+            llm.generate([ids], params, policy=forced)
         mean = sum(seconds) / len(seconds)
         per_round = sum(tokens) / len(tokens)
         policy.record(choice, 1, mean, per_round)

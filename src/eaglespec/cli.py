@@ -17,9 +17,9 @@ from eaglespec.calibration import CalibrationStore
 from eaglespec.chat import add_chat_parser, cmd_chat
 from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
 from eaglespec.config import SamplingParams
-from eaglespec.engine import generate_speculative
 from eaglespec.errors import EaglespecError
 from eaglespec.generate import generate_stream
+from eaglespec.policy import DraftChoice, FixedDraft
 from eaglespec.registry import MODELS, list_models, pull
 from eaglespec.requests import RequestOutput, collect_outputs
 from eaglespec.serve.command import add_serve_parser, cmd_serve
@@ -158,18 +158,8 @@ def warm_up(llm: LLM, ids: list[int], params: SamplingParams) -> None:
     """Both paths once over 2 tokens, so neither timing pays for first-call setup. The drafting
     run uses the configured shape, not the adaptive policy: a cold round must not enter the
     policy's averages (and the policy might not draft at all, leaving drafting cold)."""
-    assert llm.proposer is not None
     short = replace(params, max_tokens=2)
-    draft = generate_speculative(
-        llm.model,
-        llm.proposer,
-        llm.tokenizer,
-        [ids],
-        [short],
-        num_draft=llm.num_draft,
-        tree=llm.tree,
-    )
-    collect_outputs(draft)
+    llm.generate([ids], short, policy=FixedDraft(DraftChoice(llm.num_draft, llm.tree)))
     plain_run(llm, ids, short)
 
 

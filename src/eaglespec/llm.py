@@ -108,9 +108,12 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat: bool = True,
+        policy: DraftPolicy | None = None,
     ) -> Iterator[StreamEvent]:
+        """`policy` picks this call's round shapes instead of the LLM's own policy (which then
+        neither chooses nor learns from them), and drafts even with speculation "off"."""
         ids, plist = self._requests(prompts, params, chat)
-        if self.proposer is None or self.speculation == "off":
+        if self.proposer is None or (self.speculation == "off" and policy is None):
             return generate_stream(self.model, self.tokenizer, ids, plist)
         return generate_speculative(
             self.model,
@@ -120,7 +123,7 @@ class LLM:
             plist,
             num_draft=self.num_draft,
             tree=self.tree,
-            policy=self.policy,
+            policy=self.policy if policy is None else policy,
         )
 
     def generate(
@@ -129,9 +132,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat: bool = True,
+        policy: DraftPolicy | None = None,
     ) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in order."""
-        return collect_outputs(self.stream(prompts, params, chat=chat))
+        """One `RequestOutput` per prompt, in order (`policy` as in `stream`)."""
+        return collect_outputs(self.stream(prompts, params, chat=chat, policy=policy))
 
     def chat(
         self, messages: Sequence[Message], params: SamplingParams | None = None

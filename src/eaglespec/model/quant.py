@@ -317,8 +317,13 @@ def _on_grid(wg: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, tol: float)
     return (x - x.round()).abs().amax(-1) < tol
 
 
+def _int4_fits(N: int, K: int, group_size: int = INT4_GROUP) -> bool:
+    """The int4 kernel takes an (N, K) weight: whole groups along K, whole packing blocks of N."""
+    return K % group_size == 0 and N % INT4_N_MULTIPLE == 0
+
+
 def _check_int4_shape(N: int, K: int, group_size: int) -> None:
-    if K % group_size or N % INT4_N_MULTIPLE:
+    if not _int4_fits(N, K, group_size):
         raise InvalidRequestError(
             f"int4 quantization needs in_features divisible by {group_size} (the group) and "
             f"out_features divisible by {INT4_N_MULTIPLE} (the kernel's packing), got a "
@@ -329,8 +334,7 @@ def _check_int4_shape(N: int, K: int, group_size: int) -> None:
 def _int4_if_it_fits(linear: nn.Linear) -> nn.Module:
     """int4-all's output head: int4, or int8 for a vocabulary the int4 packing cannot take
     (not a multiple of 16 rows; real vocabularies are: 49,152, 151,936, 128,256)."""
-    N, K = linear.weight.shape
-    if N % INT4_N_MULTIPLE == 0 and K % INT4_GROUP == 0:
+    if _int4_fits(*linear.weight.shape):
         return Int4Linear.from_linear(linear)
     return Int8Linear.from_linear(linear)
 
