@@ -149,3 +149,27 @@ def test_tree_with_accepted_paths_that_skip_nodes(target: Transformer) -> None:
     for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids
     assert spec[2].stats.mean_accept_length > 3.0  # 20 tokens: full ladders of 3 + bonus
+
+
+def test_decoding_runs_in_inference_mode_without_leaking_it(
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every target forward of plain and speculative decoding runs under inference_mode; the
+    caller's code between events does not (the generators enter and leave it per resumption)."""
+    modes: list[bool] = []
+    forward = Transformer.forward
+
+    def spy(self: Transformer, *args, **kwargs):  # type: ignore[no-untyped-def]
+        modes.append(torch.is_inference_mode_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True)]
+    head = Eagle3Proposer(random_eagle3(target, seed=1), (1, 3, 4))
+    for events in (
+        generate_stream(target, NullTokenizer(), [[5, 17, 33]], params),
+        generate_speculative(target, head, NullTokenizer(), [[5, 17, 33]], params, num_draft=2),
+    ):
+        for _ in events:
+            assert not torch.is_inference_mode_enabled()
+    assert len(modes) >= 4 and all(modes)
