@@ -15,12 +15,15 @@ from eaglespec.calibration import (
     CalibrationStore,
     calibrate,
     calibration_key,
+    draft_fingerprint,
     load_calibration,
     save_calibration,
 )
 from eaglespec.chat import chat_loop, lines_of
 from eaglespec.cli import main, warm_up
 from eaglespec.config import SamplingParams, TreeConfig
+from eaglespec.draft import random_eagle3, save_eagle3
+from eaglespec.draft.config import default_capture
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.llm import LLM
@@ -126,6 +129,30 @@ def test_calibrate_stores_what_generate_starts_from(llm: LLM, tiny_hf_folder: Pa
 
     # Another machine setting is another calibration: nothing stored for it.
     assert load_calibration(replace(key, threads=key.threads + 1), AdaptiveDraft(2, TREE)) is None
+
+
+def test_a_head_retrained_into_the_same_folder_is_another_calibration(
+    llm: LLM, tiny_hf_folder: Path, tmp_path: Path
+) -> None:
+    """The key holds the head's content, not only its path: a stored calibration of the old head
+    (its acceptance, its round times) must not seed the new one."""
+    bounds = default_capture(llm.config.num_layers)
+    folder = save_eagle3(random_eagle3(llm.model, seed=1), tmp_path / "head", bounds)
+    with_head = LLM(str(tiny_hf_folder), progress=False, draft=str(folder), num_draft=2,
+                    speculation="adaptive")  # fmt: skip
+    key = calibration_key(with_head)
+    assert key.draft_content is not None and key.draft_content == draft_fingerprint(str(folder))
+    save_calibration(key, _taught(AdaptiveDraft(2)), "calibrate")
+    assert load_calibration(calibration_key(with_head), AdaptiveDraft(2)) is not None
+
+    (folder / "work").mkdir()  # a training run's features beside the head change nothing
+    (folder / "work" / "shard-00000.safetensors").write_bytes(b"features")
+    assert calibration_key(with_head) == key
+
+    save_eagle3(random_eagle3(llm.model, seed=2), folder, bounds)  # same path, new weights
+    assert calibration_key(with_head).draft_content != key.draft_content
+    assert load_calibration(calibration_key(with_head), AdaptiveDraft(2)) is None
+    assert draft_fingerprint("random") is None and draft_fingerprint(None) is None
 
 
 def test_generate_compares_with_plain_decoding(

@@ -11,8 +11,9 @@ records what the policy's cost model needs, measured here, not assumed:
 
 and the policy's best arm is the one with the highest tokens(k) / seconds(k). The learned state is
 written as JSON under the cache directory, keyed by everything that changes a round's cost or its
-acceptance: the model file, the draft, device, dtype, quantization, compile mode, threads and the
-torch version. `generate` loads it as the adaptive policy's starting point (all arms measured, so
+acceptance: the model file, the draft (its path and its content: a head retrained into the same
+folder accepts differently), device, dtype, quantization, compile mode, threads and the torch
+version. `generate` loads it as the adaptive policy's starting point (all arms measured, so
 it skips exploring), keeps adapting to the prompt at hand, and stores the updated state after the
 run: a first run without calibration explores online and leaves a calibration behind.
 """
@@ -45,6 +46,7 @@ class CalibrationKey:
     model_bytes: int
     method: str
     draft: str | None  # draft path or name
+    draft_content: str | None  # draft_fingerprint(draft): None for names and "random"
     num_draft: int
     tree: str | None
     device: str
@@ -57,6 +59,30 @@ class CalibrationKey:
     def file(self) -> Path:
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
         return cache_dir() / "calibration" / f"{digest[:20]}.json"
+
+
+DRAFT_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".gguf")
+HASH_LIMIT = 64 << 20  # bytes: larger files are keyed by size and modification time
+
+
+def draft_fingerprint(draft: str | None) -> str | None:
+    """A digest of what a draft path holds, so a head retrained or replaced at the same path is
+    another calibration: the content of each weight and config file (the files of the folder
+    itself, not of subfolders, where a training run keeps gigabytes of features), or for a file
+    over HASH_LIMIT its size and modification time. None when `draft` is not a path (a
+    registry name, whose file the registry pins by hash, or "random", which is seeded)."""
+    path = Path(draft) if draft else None
+    if path is None or not path.exists():
+        return None
+    files = [path] if path.is_file() else sorted(path.iterdir())
+    h = hashlib.sha256()
+    for f in files:
+        if not f.is_file() or f.suffix not in DRAFT_SUFFIXES:
+            continue
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0".encode())
+        h.update(f.read_bytes() if st.st_size <= HASH_LIMIT else str(st.st_mtime_ns).encode())
+    return h.hexdigest()[:20]
 
 
 def calibration_key(llm: LLM) -> CalibrationKey:
@@ -72,6 +98,7 @@ def calibration_key(llm: LLM) -> CalibrationKey:
         model_bytes=size,
         method=llm.method,
         draft=llm.draft,
+        draft_content=draft_fingerprint(llm.draft),
         num_draft=llm.num_draft,
         tree=None if tree is None else f"{tree.depth},{tree.top_k},{tree.num_nodes}",
         device=str(llm.model.device),
