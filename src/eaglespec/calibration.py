@@ -34,6 +34,7 @@ import torch
 from eaglespec.config import SamplingParams
 from eaglespec.paths import cache_dir
 from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft
+from eaglespec.registry import sha256_file
 from eaglespec.requests import collect_outputs
 
 if TYPE_CHECKING:
@@ -80,8 +81,8 @@ def draft_fingerprint(draft: str | None) -> str | None:
         if not f.is_file() or f.suffix not in DRAFT_SUFFIXES:
             continue
         st = f.stat()
-        h.update(f"{f.name}\0{st.st_size}\0".encode())
-        h.update(f.read_bytes() if st.st_size <= HASH_LIMIT else str(st.st_mtime_ns).encode())
+        content = sha256_file(f) if st.st_size <= HASH_LIMIT else str(st.st_mtime_ns)
+        h.update(f"{f.name}\0{st.st_size}\0{content}\0".encode())
     return h.hexdigest()[:20]
 
 
