@@ -47,9 +47,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="weight-only quantization of the linear layers (CPU only): int8 stores int8 "
         "weights with per-channel scales; int4 stores 4-bit weights in groups of 32 (the output "
         "head stays int8; int4-all makes it int4 too, faster for large vocabularies such as "
-        "Qwen's, less exact for small ones). All use bf16 activations in each matmul (the "
+        "Qwen's, less exact for small ones). These use bf16 activations in each matmul (the "
         "kernels' only fast input dtype); with --dtype float32 the inputs are cast to bf16 "
-        "and back around each matmul, the rest of the model stays fp32",
+        "and back around each matmul, the rest of the model stays fp32. w4a8 / w4a8-all: the "
+        "same 4-bit weights times activations quantized to int8 per group of 32, as llama.cpp "
+        "does, in eaglespec's own kernel (x86 CPUs with AVX-512 VNNI; built on first use), "
+        "the fastest CPU decode",
     )
     p.add_argument(
         "--compile",

@@ -82,7 +82,7 @@ from torch import nn
 
 from eaglespec.errors import InvalidRequestError
 
-QUANT_MODES = ("none", "int8", "int4", "int4-all")
+QUANT_MODES = ("none", "int8", "int4", "int4-all", "w4a8", "w4a8-all")
 KERNEL_DTYPE = torch.bfloat16  # the one activation dtype the CPU int8 kernel vectorises
 KERNEL_MAX_ROWS = 64  # above this many rows, dequantize + dense fp32 is faster (measured, M=64)
 K_MULTIPLE = 16  # the AVX-512 kernel's step over K
@@ -239,15 +239,11 @@ class Int4Linear(_QuantLinear):
         w = linear.weight.detach().float()  # (N, K)
         N, K = w.shape
         _check_int4_shape(N, K, group_size)
-        wg = w.view(N, K // group_size, group_size)  # (N, K/G, G)
-        lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/G)
-        span = code_spans(wg, lo, hi) if fit_spans else torch.full(lo.shape, 15)  # (N, K/G)
-        s = torch.where(hi > lo, (hi - lo) / span, 1.0).to(KERNEL_DTYPE).float()  # (N, K/G)
-        q = ((wg - lo[..., None]) / s[..., None]).round_().clamp_(0, 15)  # (N, K/G, G)
+        q, s, lo = int4_codes(w, group_size, fit_spans=fit_spans)
         z = lo + 8 * s  # (N, K/G)
         sz = torch.stack((s, z), -1).transpose(0, 1).to(KERNEL_DTYPE)  # (K/G, N, 2)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q.view(N, K).to(torch.int32), sz, bias, group_size)
+        return cls(q.to(torch.int32), sz, bias, group_size)
 
     def codes(self) -> torch.Tensor:
         """(N, K) int64 codes q, read back through the kernel (the packed layout is its own)."""
@@ -281,6 +277,24 @@ class Int4Linear(_QuantLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, bias={bias}"
         )
+
+
+def int4_codes(
+    w: torch.Tensor,  # (N, K) fp32
+    group_size: int = INT4_GROUP,
+    *,
+    fit_spans: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise 4-bit codes of w as the module doc says: (q (N, K) fp32 codes in 0..15,
+    s (N, K/G) fp32 scales already rounded to bf16, lo (N, K/G) fp32 group minimums), with
+    w ~= q * s + lo. `fit_spans=False` is plain min-max over 15 steps."""
+    N, K = w.shape
+    wg = w.view(N, K // group_size, group_size)  # (N, K/G, G)
+    lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/G)
+    span = code_spans(wg, lo, hi) if fit_spans else torch.full(lo.shape, 15)  # (N, K/G)
+    s = torch.where(hi > lo, (hi - lo) / span, 1.0).to(KERNEL_DTYPE).float()  # (N, K/G)
+    q = ((wg - lo[..., None]) / s[..., None]).round_().clamp_(0, 15)  # (N, K/G, G)
+    return q.view(N, K), s, lo
 
 
 def code_spans(
@@ -339,6 +353,19 @@ def _int4_if_it_fits(linear: nn.Linear) -> nn.Module:
     return Int8Linear.from_linear(linear)
 
 
+def _w4a8(linear: nn.Linear) -> nn.Module:
+    from eaglespec.model.w4a8 import W4A8Linear  # builds the kernel on first use
+
+    return W4A8Linear.from_linear(linear)
+
+
+def _w4a8_if_it_fits(linear: nn.Linear) -> nn.Module:
+    """w4a8-all's output head: w4a8, or int8 for a vocabulary not a multiple of 4 rows."""
+    from eaglespec.model.w4a8 import ROWS
+
+    return _w4a8(linear) if linear.weight.shape[0] % ROWS == 0 else Int8Linear.from_linear(linear)
+
+
 # mode -> (body layers, output head). int4 keeps the head (the lm_head, named "lm_head" in the
 # target and in EAGLE-3 heads) at int8: its logits decide every token, its rows are quantized more
 # finely in GGUF files (SmolLM2's Q4_1 file stores it as Q8_0, which per-channel int8 all but
@@ -347,6 +374,8 @@ _LAYERS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear],
     "int8": (Int8Linear.from_linear, Int8Linear.from_linear),
     "int4": (Int4Linear.from_linear, Int8Linear.from_linear),
     "int4-all": (Int4Linear.from_linear, _int4_if_it_fits),
+    "w4a8": (_w4a8, Int8Linear.from_linear),
+    "w4a8-all": (_w4a8, _w4a8_if_it_fits),
 }
 HEAD_NAME = "lm_head"
 

@@ -1,0 +1,238 @@
+// int4 weights x int8 activations on x86 CPUs with AVX-512 VNNI: the matmul of `--quant w4a8`
+// (eaglespec/model/w4a8.py has the format, the math and the measurements).
+//
+// y[m, n] = sum_g s[n, g] * dx[m, g] * sum_{k in g} q[n, k] * xq[m, k]   (int32, vpdpbusd)
+//         + sum_g mn[n, g] * xsum[m, g]
+//
+// q: 4-bit codes 0..15, s: fp16 scale, mn: fp16 minimum, per group g of 32 input features.
+// xq: the activation row quantized per group to int8 (dx = absmax / 127), xsum: the group's sum of
+// the unquantized activations. Every (m, n) goes through the same instructions whatever M and
+// however the output rows are split among threads, so a row of a batch is bitwise the row alone.
+//
+// Weights, blocked: output rows in blocks of 4, each block one contiguous run of K/32 * 80 bytes,
+// so a thread reads its share of a matrix as a single sequential stream. Inside a block, per
+// window of h <= 16 groups (512 features; the last window of a row may be partial), 80h bytes:
+//     codes of row r (r = 0..3) at 16h * r: 4 loads L of 4h bytes; in load L, byte b of lane i
+//         (group i of the window) = q[8L + b] | q[8L + 4 + b] << 4 (features within the group)
+//     scales at 64h: 4 rows x h fp16; minimums at 72h: 4 rows x h fp16
+// So a load's low nibbles are features 8L..8L+3 and its high nibbles 8L+4..8L+7 of every group,
+// one group per int32 lane, and a window's 8 such steps sum to the groups' dot products.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kRows = 4;                          // output rows per weight block
+constexpr int64_t kBlockBytesPerGroup = kRows * 20;   // per row: 16 B codes + 2 B scale + 2 B min
+constexpr int64_t kTaskWeights = int64_t{1} << 18;  // a second thread pays from about here (measured)
+
+#define W4A8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// 16 bf16 values (the first `mask` of them) -> fp32 lanes; masked lanes are 0.
+W4A8_TARGET inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
+  __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+// 16 fp16 values (the first `mask` of them) -> fp32 lanes; masked lanes are 0.
+W4A8_TARGET inline __m512 load_f16x16(const uint16_t* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// 16 activations from fp32 or bf16 memory -> fp32 lanes.
+W4A8_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+W4A8_TARGET inline __m512 load16(const at::BFloat16* p) {
+  return load_bf16x16(reinterpret_cast<const uint16_t*>(p), 0xFFFF);
+}
+
+// One activation row: K values -> per window of 16 groups (512 features), zero past the last
+// group: xq (8 steps x 16 lanes x 4 int8, step t / lane i holding features 4t..4t+3 of the
+// window's group i), dx (16 fp32 group scales absmax / 127) and xsum (16 fp32 group sums).
+template <typename T>
+W4A8_TARGET void quantize_row(const T* x, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  const int64_t ng = K / kGroup;
+  const int64_t nw = (ng + 15) / 16;
+  const int64_t used = ng % 16;  // groups in a partial last window (0: none)
+  if (used) {  // clear the lanes no group fills
+    const int64_t w = nw - 1;
+    for (int t = 0; t < 8; ++t)
+      std::memset(xq + w * 512 + t * 64 + used * 4, 0, (16 - used) * 4);
+    std::fill(dx + w * 16 + used, dx + w * 16 + 16, 0.0f);
+    std::fill(xsum + w * 16 + used, xsum + w * 16 + 16, 0.0f);
+  }
+  // dword t of a group's 32 codes goes to step t: 64 bytes = 16 dwords apart
+  const __m256i steps = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m512 a = load16(x + g * kGroup), b = load16(x + g * kGroup + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 vinv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    // cvtps_epi32 rounds to nearest even; the saturating narrow keeps the codes in int8.
+    const __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)));
+    const __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, vinv)));
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
+    const int64_t w = g / 16, i = g % 16;
+    _mm256_i32scatter_epi32(xq + w * 512 + i * 4, steps, q, 4);
+    dx[w * 16 + i] = amax / 127.0f;
+    xsum[w * 16 + i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  }
+}
+
+inline void store(float* y, float v) { *y = v; }
+inline void store(at::BFloat16* y, float v) { *y = at::BFloat16(v); }  // round to nearest even
+
+// The 4 output rows of one weight block (blk, the layout above) against MB activation rows in
+// quantize_row's layout (xq: nw * 512 bytes per row, dx and xsum: nw * 16 floats per row).
+// y[m * ldy + r] for m < MB, r < 4. MB > 2 runs out of the 32 vector registers (measured slower).
+//
+// A load of 64 code bytes feeds two dot products without a shift: the low nibbles (w & 0x0F)
+// and the high nibbles kept in place (w & 0xF0 = 16 * hi, at most 240, still an unsigned byte),
+// summed in two int32 accumulators; 16 * lo_sum + hi_sum is then 16 times the group's dot
+// product, and the 1/16 goes into the float scale (exact: a power of two).
+template <int MB, typename T>
+W4A8_TARGET void block_rows(const uint8_t* blk, int64_t K, const int8_t* xq, const float* dx,
+                            const float* xsum, T* y, int64_t ldy) {
+  const int64_t ng = K / kGroup;
+  const int64_t nw = (ng + 15) / 16;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512 sixteenth = _mm512_set1_ps(1.0f / 16.0f);
+  __m512 acc[MB][kRows];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t win = 0; win < nw; ++win) {
+    const int64_t g0 = win * 16;
+    const int64_t h = std::min<int64_t>(16, ng - g0);  // groups (lanes) in this window
+    const __mmask16 mask = static_cast<__mmask16>((1u << h) - 1u);
+    const __mmask64 bytes = h == 16 ? ~__mmask64{0} : ((__mmask64{1} << (4 * h)) - 1);
+    const uint8_t* wp = blk + g0 * kBlockBytesPerGroup;
+    const auto* sp = reinterpret_cast<const uint16_t*>(wp + 64 * h);  // scales, then minimums
+    const uint16_t* mp = sp + kRows * h;
+    // The activation rows of this window: 8 steps each, held across the block's 4 rows (MB = 1)
+    // or reloaded from L1 per row (MB = 2, for want of registers).
+    __m512i xv[MB == 1 ? 8 : 1];
+    __m512 sdx[MB], xs[MB];
+    for (int m = 0; m < MB; ++m) {
+      sdx[m] = _mm512_mul_ps(_mm512_load_ps(dx + m * nw * 16 + win * 16), sixteenth);
+      xs[m] = _mm512_load_ps(xsum + m * nw * 16 + win * 16);
+    }
+    if constexpr (MB == 1)
+      for (int t = 0; t < 8; ++t) xv[t] = _mm512_load_si512(xq + win * 512 + t * 64);
+    for (int r = 0; r < kRows; ++r) {
+      const uint8_t* cr = wp + r * 16 * h;
+      __m512i wv[4];
+      for (int L = 0; L < 4; ++L)
+        wv[L] = h == 16 ? _mm512_loadu_si512(cr + L * 64)
+                        : _mm512_maskz_loadu_epi8(bytes, cr + L * 4 * h);
+      const __m512 S = load_f16x16(sp + r * h, mask);
+      const __m512 MN = load_f16x16(mp + r * h, mask);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xp = xq + m * nw * 512 + win * 512;
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int L = 0; L < 4; ++L) {
+          const __m512i xa = MB == 1 ? xv[2 * L] : _mm512_load_si512(xp + 2 * L * 64);
+          const __m512i xb = MB == 1 ? xv[2 * L + 1] : _mm512_load_si512(xp + (2 * L + 1) * 64);
+          lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(wv[L], low4), xa);
+          hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(wv[L], high4), xb);
+        }
+        const __m512i d16 = _mm512_add_epi32(_mm512_slli_epi32(lo, 4), hi);  // 16 x dot
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d16), _mm512_mul_ps(S, sdx[m]), acc[m][r]);
+        acc[m][r] = _mm512_fmadd_ps(MN, xs[m], acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < kRows; ++r) store(y + m * ldy + r, _mm512_reduce_add_ps(acc[m][r]));
+}
+
+void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(cpu_supported(), "w4a8: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "w4a8: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2, "w4a8: x must be (M, K), got ", x.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kGroup == 0, "w4a8: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(N % kRows == 0, "w4a8: N must be a multiple of 4, got ", N);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 1 && w.is_contiguous() &&
+                  w.numel() == N / kRows * (K / kGroup) * kBlockBytesPerGroup,
+              "w4a8: packed weight must be contiguous uint8 of ",
+              N / kRows * (K / kGroup) * kBlockBytesPerGroup, " bytes for N = ", N, ", K = ", K,
+              ", got ", w.sizes(), " ", w.scalar_type());
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  const int64_t ng = K / kGroup, nw = (ng + 15) / 16, blocks = N / kRows;
+  // Scratch for the quantized rows, reused by the calling thread: xq (M, nw * 512) int8, then
+  // dx and xsum (M, nw * 16) fp32 each; 64-byte aligned for the aligned loads.
+  const size_t bytes = static_cast<size_t>(M * nw * (512 + 2 * 16 * 4)) + 64;
+  thread_local std::vector<int8_t> scratch;
+  if (scratch.size() < bytes) scratch.resize(bytes);
+  auto* base = reinterpret_cast<int8_t*>(
+      (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  int8_t* qp = base;
+  float* dp = reinterpret_cast<float*>(base + M * nw * 512);
+  float* sp = dp + M * nw * 16;
+  const T* xin = x.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(xin + m * K, K, qp + m * nw * 512, dp + m * nw * 16, sp + m * nw * 16);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  T* yp = y.data_ptr<T>();
+  const int64_t block_bytes = ng * kBlockBytesPerGroup;
+  const int64_t grain = std::max<int64_t>(1, kTaskWeights / (kRows * K));  // blocks per task
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = wp + b * block_bytes;
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2)
+        block_rows<2>(blk, K, qp + m * nw * 512, dp + m * nw * 16, sp + m * nw * 16,
+                      yp + m * N + b * kRows, N);
+      for (; m < M; ++m)
+        block_rows<1>(blk, K, qp + m * nw * 512, dp + m * nw * 16, sp + m * nw * 16,
+                      yp + m * N + b * kRows, N);
+    }
+  });
+}
+
+}  // namespace
+
+// (M, K) fp32 or bf16 rows -> (M, N) in x's dtype.
+at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N) {
+  const at::Tensor x =
+      x_in.scalar_type() == at::kBFloat16 ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  check_args(x, w, N);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
+    run<at::BFloat16>(x, w, y);
+  else
+    run<float>(x, w, y);
+  return x_in.scalar_type() == x.scalar_type() ? y : y.to(x_in.scalar_type());
+}
+
+bool w4a8_supported() { return cpu_supported(); }
+
+TORCH_LIBRARY(eaglespec_w4a8, m) {
+  m.def("linear(Tensor x, Tensor w, int N) -> Tensor");
+  m.def("supported() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(eaglespec_w4a8, CPU, m) { m.impl("linear", &w4a8_linear); }
+
+TORCH_LIBRARY_IMPL(eaglespec_w4a8, CompositeExplicitAutograd, m) {
+  m.impl("supported", &w4a8_supported);
+}

@@ -1,0 +1,185 @@
+"""int4 weights x int8 activations on CPU: eaglespec's own matmul kernel (csrc/w4a8.cpp), the
+layers of `--quant w4a8` (output head int8) and `w4a8-all` (output head too).
+
+Dims: M rows (B * T flattened), K in features, N out features, G = 32 features per group.
+
+Weights are int4's codes (quant.int4_codes: per group of 32 inputs, codes q in 0..15 and a scale,
+exact on GGUF Q4_0/Q4_1/Q4_K blocks); the scale s and the group minimum mn are stored as fp16,
+GGUF's own type for them, so w = q * s + mn. Activations are quantized per row and per group to
+int8 inside the kernel, as llama.cpp does for its 4-bit formats (Q8_0 activations for
+Q4_0/Q4_1, Q8_K for the K-quants):
+
+    dx[m, g] = absmax_g |x[m, :]| / 127,  xq[m, k] = round(x[m, k] / dx[m, g])   (int8)
+    y[m, n]  = sum_g s[n, g] * dx[m, g] * sum_{k in g} q[n, k] * xq[m, k]
+             + sum_g mn[n, g] * sum_{k in g} x[m, k]
+
+The inner sums are exact int32 dot products of unsigned 4-bit and signed 8-bit codes, which
+AVX-512 VNNI computes 64 at a time (vpdpbusd); one float multiply-add per group and row remains.
+PyTorch's int4 kernel instead turns every weight into a float before its multiply-add, which
+holds it to about 20 GB/s of weights on this project's 2-core VM; this kernel streams about 29
+(cold weights, two threads, all of Qwen2.5-Coder-1.5B's decoder matrices; BENCHMARKS.md).
+
+Layout (`pack`): output rows in blocks of 4, each block one contiguous run of codes, scales and
+minimums, so each thread reads its share of a matrix as one sequential stream.
+
+Row independence: every (m, n) goes through the same instructions whatever M is and however the
+output rows are split among threads, so row b of a forward over M rows is bitwise equal to the
+same row alone, as for the other kernels (tests/test_w4a8.py). Rows are computed one or two at a
+time, so the kernel's cost grows linearly with M: it is a decode and verify kernel.
+
+The kernel is compiled on first use for the machine at hand (torch.utils.cpp_extension with
+ninja and a C++ compiler, about 15 s, cached under torch's extension directory) and needs an x86
+CPU with AVX-512 VNNI; `available()` says why not where it cannot run, and the modes then refuse
+with that reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eaglespec.errors import InvalidRequestError
+from eaglespec.model.quant import _QuantLinear, int4_codes
+
+GROUP = 32
+WINDOW = 16  # groups per window: one int32 lane per group in a 512-bit register
+ROWS = 4  # output rows per weight block
+SOURCE = Path(__file__).parent / "csrc" / "w4a8.cpp"
+# -fopenmp: at::parallel_for is a header template whose `omp parallel` compiles into this
+# library; without the flag it runs on one thread. The OpenMP runtime it links is the one
+# torch has already loaded (same soname), so there is one thread pool.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build and load the kernel once per process; None if it runs here, else why not."""
+    try:
+        from torch.utils import cpp_extension
+
+        digest = hashlib.sha256(SOURCE.read_bytes() + repr(CFLAGS).encode()).hexdigest()[:12]
+        cpp_extension.load(
+            name=f"eaglespec_w4a8_{digest}",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a failed build: say which
+        return f"the w4a8 kernel did not build ({type(e).__name__}: {str(e)[:300]})"
+    if not torch.ops.eaglespec_w4a8.supported():
+        return "the w4a8 kernel needs a CPU with AVX-512 VNNI"
+
+    @torch.library.register_fake("eaglespec_w4a8::linear")
+    def _(x: torch.Tensor, w: torch.Tensor, N: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], N)  # (M, N), x's dtype
+
+    return None
+
+
+def available() -> str | None:
+    """None when the kernel runs on this machine, else the reason it does not."""
+    return _load()
+
+
+def require() -> None:
+    reason = _load()
+    if reason is not None:
+        raise InvalidRequestError(f"--quant w4a8: {reason}; use --quant int4")
+
+
+def pack(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in 0..15, (N, K/G) scales and minimums -> the kernel's blocked bytes, 1-D
+    uint8 of N/4 * K/G * 80 (csrc/w4a8.cpp's header has the layout).
+
+    Output rows go in blocks of ROWS; each block is one contiguous run, so a thread reads its
+    share of the matrix as a single sequential stream. Inside a block, per window of h <= 16
+    groups: the 4 rows' codes (16h bytes each), then their h scales, then their h minimums."""
+    N, K = q.shape
+    ng = K // GROUP
+    b = q.to(torch.uint8).view(N, ng, 4, 2, 4)  # (N, group, L, nibble, byte)
+    b = b[:, :, :, 0] | (b[:, :, :, 1] << 4)  # (N, group, L, byte): 16 bytes per group
+    s16 = s.to(torch.float16).contiguous().view(torch.uint8).view(N // ROWS, ROWS, ng, 2)
+    m16 = mn.to(torch.float16).contiguous().view(torch.uint8).view(N // ROWS, ROWS, ng, 2)
+    parts = []
+    for g0 in range(0, ng, WINDOW):
+        h = min(WINDOW, ng - g0)
+        # codes (N, h, L, byte) -> (N, L, h, byte): load L of a row is 4h bytes, lane i = group i
+        codes = b[:, g0 : g0 + h].permute(0, 2, 1, 3).reshape(N // ROWS, ROWS * 16 * h)
+        scales = s16[:, :, g0 : g0 + h].reshape(N // ROWS, ROWS * 2 * h)
+        mins = m16[:, :, g0 : g0 + h].reshape(N // ROWS, ROWS * 2 * h)
+        parts += [codes, scales, mins]
+    return torch.cat(parts, 1).reshape(-1).contiguous()  # (N/4 * ng * 80,)
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """The kernel's math in plain torch, fp32 (for tests): (M, K) x, (N, K) codes, (N, K/G)
+    scales and minimums -> (M, N)."""
+    M, K = x.shape
+    ng = K // GROUP
+    xf = x.float().view(M, ng, GROUP)
+    amax = xf.abs().amax(-1)  # (M, ng)
+    # 127.0 / amax as the kernel divides; torch's `127 / amax` is reciprocal-then-multiply, which
+    # can differ by an ulp and move a code that sits at .5 (found by the tests)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = (xf * inv[..., None]).round().clamp(-127, 127)  # (M, ng, G)
+    dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(-1, ng, GROUP))  # (M, N, ng)
+    scaled = dots * s.float()[None] * (amax / 127)[:, None, :]
+    return scaled.sum(-1) + (mn.float()[None] * xf.sum(-1)[:, None, :]).sum(-1)
+
+
+def _check_shape(N: int, K: int) -> None:
+    if K % GROUP or N % ROWS:
+        raise InvalidRequestError(
+            f"w4a8 quantization needs in_features divisible by {GROUP} and out_features by "
+            f"{ROWS}, got a ({N}, {K}) weight"
+        )
+
+
+class W4A8Linear(_QuantLinear):
+    """y = x @ w.T + b with w[o, i] = q[o, i] * s[o, i // G] + mn[o, i // G], activations
+    quantized to int8 per group inside the kernel (module doc)."""
+
+    weight: torch.Tensor  # (N/4 * K/G * 80,) uint8: codes, scales and minimums, blocked
+
+    def __init__(
+        self,
+        codes: torch.Tensor,  # (N, K) integer codes in 0..15
+        scales: torch.Tensor,  # (N, K/G)
+        mins: torch.Tensor,  # (N, K/G)
+        bias: torch.Tensor | None = None,  # (N,)
+    ) -> None:
+        super().__init__()
+        require()
+        N, K = codes.shape
+        _check_shape(N, K)
+        if codes.device.type != "cpu":
+            raise InvalidRequestError(
+                f"w4a8 quantization runs on CPU only, the weights are on '{codes.device.type}'; "
+                "use --quant none on this device"
+            )
+        self.in_features, self.out_features = K, N
+        self.register_buffer("weight", pack(codes, scales, mins))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> W4A8Linear:
+        """int4's codes and scales (quant.int4_codes, exact on GGUF Q4_0/Q4_1/Q4_K weights),
+        with the group minimum itself as the offset."""
+        _check_shape(*linear.weight.shape)
+        q, s, lo = int4_codes(linear.weight.detach().float())
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, s, lo, bias)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        # (M, K) fp32 or bf16 -> (M, N) in x2's dtype
+        return torch.ops.eaglespec_w4a8.linear(x2, self.weight, self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"

@@ -1,0 +1,106 @@
+"""eaglespec's own int4 x int8 CPU kernel (model/w4a8.py, csrc/w4a8.cpp): against the plain-torch
+reference of its math, row independence, which layers the modes replace, refused shapes.
+Speculation over a w4a8 target is checked for greedy identity in tests/test_compile.py.
+Skipped where the kernel cannot run (no AVX-512 VNNI, no C++ compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers import tiny_target
+from torch import nn
+
+from eaglespec.errors import InvalidRequestError
+from eaglespec.model import w4a8
+from eaglespec.model.quant import Int4Linear, Int8Linear, int4_codes, quantize_model
+
+pytestmark = pytest.mark.skipif(
+    w4a8.available() is not None, reason=f"w4a8 kernel unavailable: {w4a8.available()}"
+)
+
+# (N, K): full 512-feature windows, a partial last window (K = 576: 16 + 2 groups, SmolLM2's
+# hidden size; 8960: 17.5 windows, Qwen2.5-1.5B's MLP), a single small window.
+SHAPES = [(64, 1536), (960, 576), (8, 8960), (12, 64)]
+
+
+def _layer(n: int, k: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    nn.init.normal_(layer.weight, std=0.05)
+    if bias:
+        nn.init.normal_(layer.bias, std=0.1)
+    return layer.requires_grad_(False)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_computes_the_documented_math(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    n, k = shape
+    layer = _layer(n, k, bias=True).to(dtype)  # the bias is added in the model's dtype
+    q, s, lo = int4_codes(layer.weight.float())
+    mod = w4a8.W4A8Linear.from_linear(layer)
+    torch.manual_seed(1)
+    x = torch.randn(5, k).to(dtype)  # (M, K)
+    y = mod(x)
+    assert y.dtype == dtype and y.shape == (5, n)
+    # fp16 scales and minimums, as stored; the reference quantizes x the same way.
+    ref = w4a8.reference(x, q, s.half(), lo.half()) + layer.bias.float()  # (M, N) fp32
+    # fp32: only the order of float sums differs; bf16: plus one rounding of the output and one
+    # of the bias sum.
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2**-7, 1e-2)
+    torch.testing.assert_close(y.float(), ref, rtol=rtol, atol=atol)
+
+
+def test_int8_activations_cost_about_nothing_next_to_the_int4_weights() -> None:
+    """Against the dense layer, w4a8's relative error is int4's (torch's kernel, bf16
+    activations) to within 2%: the weights' 4 bits dominate, not the activations' 8."""
+    layer = _layer(256, 1536, bias=False)
+    torch.manual_seed(3)
+    x = torch.randn(3, 1536)
+    dense = layer(x)
+
+    def rel_err(mod: nn.Module) -> float:
+        return float((mod(x).float() - dense).norm() / dense.norm())
+
+    ours, int4 = rel_err(w4a8.W4A8Linear.from_linear(layer)), rel_err(Int4Linear.from_linear(layer))
+    assert 0.01 < int4 < 0.2  # the 4-bit rounding is there to compare against
+    assert ours < 1.02 * int4, (ours, int4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_is_computed_alone(dtype: torch.dtype) -> None:
+    """Row b of a forward over M rows is bitwise the same row alone, for every M (the 2-row and
+    1-row paths, odd and even M), which keeps verification consistent with decode steps."""
+    mod = w4a8.W4A8Linear.from_linear(_layer(960, 576, bias=True))
+    torch.manual_seed(2)
+    x = torch.randn(7, 576).to(dtype)
+    alone = [mod(x[i : i + 1]) for i in range(7)]
+    for m in range(1, 8):
+        batch = mod(x[:m])
+        for i in range(m):
+            assert torch.equal(batch[i : i + 1], alone[i]), (m, i)
+
+
+def test_zero_and_constant_groups() -> None:
+    """An all-zero activation group (dx = 0) and a constant weight group (one code value)."""
+    layer = _layer(8, 64, bias=False)
+    layer.weight[:, :32] = 0.25
+    mod = w4a8.W4A8Linear.from_linear(layer)
+    x = torch.randn(2, 64)
+    x[:, 32:] = 0
+    torch.testing.assert_close(mod(x), layer(x), rtol=0.05, atol=0.02)
+
+
+def test_modes_replace_the_body_and_choose_the_head() -> None:
+    body = quantize_model(tiny_target(0, vocab=96), "w4a8")
+    assert isinstance(body.layers[0].attn.wqkv, w4a8.W4A8Linear)
+    assert isinstance(body.lm_head, Int8Linear)
+    both = quantize_model(tiny_target(0, vocab=96), "w4a8-all")
+    assert isinstance(both.layers[0].mlp.w2, w4a8.W4A8Linear)
+    assert isinstance(both.lm_head, w4a8.W4A8Linear)
+
+
+@pytest.mark.parametrize("shape", [(8, 48), (6, 64)])
+def test_shapes_the_kernel_cannot_take_are_refused(shape: tuple[int, int]) -> None:
+    with pytest.raises(InvalidRequestError, match="divisible by 32.*by 4"):
+        w4a8.W4A8Linear.from_linear(_layer(*shape, bias=False))
