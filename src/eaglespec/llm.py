@@ -30,7 +30,9 @@ class LLM:
     String prompts get the model's chat template when `chat=True` and the model has one.
     `quant` "int8" / "int4" stores the linear layers as int8 / int4 weights (CPU only; see
     model/quant.py), the target's and the draft's; "int4" keeps the output head at int8,
-    "int4-all" makes it int4 too. `compile` "block" / "full" runs decode and
+    "int4-all" makes it int4 too; "w4a8" / "w4a8-all" are the same with activations quantized
+    to int8 in eaglespec's own kernel (model/w4a8.py; AVX-512 VNNI CPUs), the fastest CPU
+    decode, not bitwise lossless under speculation. `compile` "block" / "full" runs decode and
     verification steps of the target (and of a draft model) through torch.compile
     (`Transformer.compile_steps`): seconds to a minute of compiling on first use, then faster
     steps.
