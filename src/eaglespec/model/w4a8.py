@@ -16,7 +16,7 @@ Q4_0/Q4_1, Q8_K for the K-quants):
 The inner sums are exact int32 dot products of unsigned 4-bit and signed 8-bit codes, which
 AVX-512 VNNI computes 64 at a time (vpdpbusd); one float multiply-add per group and row remains.
 PyTorch's int4 kernel instead turns every weight into a float before its multiply-add, which
-holds it to about 20 GB/s of weights on this project's 2-core VM; this kernel streams about 29
+holds it to about 20 GB/s of weights on this project's 2-core VM; this kernel streams 29-39 GB/s
 (cold weights, two threads, all of Qwen2.5-Coder-1.5B's decoder matrices; BENCHMARKS.md).
 
 Layout (`pack`): output rows in blocks of 4, each block one contiguous run of codes, scales and
