@@ -29,7 +29,7 @@ from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs
 from eaglespec.train.data import Conversation, read_all, read_conversations, with_variants
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
-from eaglespec.train.regen import Sample
+from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 from eaglespec.train.trainer import TrainConfig, train
 from eaglespec.train.ttt import TTTBatch, TTTOutput, _ttt_mask, ttt_forward
 from eaglespec.train.vocab import build_draft_vocab
@@ -490,3 +490,17 @@ def test_length_batches_docstring_example_and_row_cap() -> None:
 
     assert length_batches([5, 2, 3, 9], 8) == [[1, 2], [0], [3]]
     assert length_batches([1] * 5, 100, max_rows=2) == [[0, 1], [2, 3], [4]]
+
+
+def test_a_killed_runs_half_written_line_is_dropped_before_resuming(tmp_path: Path) -> None:
+    """regen and synth append one JSON line per item; a run killed mid-write leaves a partial
+    last line, which resuming cuts off (and appends after) instead of failing to parse it."""
+    path = tmp_path / "responses.jsonl"
+    path.write_text('{"key": "a"}\n{"key": "b"}\n{"key": "c", "resp')
+    assert drop_partial_tail(path) == len('{"key": "c", "resp')
+    assert [d["key"] for d in read_jsonl(path)] == ["a", "b"]
+    with path.open("a") as f:
+        f.write('{"key": "c"}\n')
+    assert [d["key"] for d in read_jsonl(path)] == ["a", "b", "c"]
+    assert drop_partial_tail(path) == 0  # a complete file is left alone
+    assert drop_partial_tail(tmp_path / "missing.jsonl") == 0

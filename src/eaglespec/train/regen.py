@@ -64,6 +64,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def drop_partial_tail(path: Path) -> int:
+    """Cut a JSON-lines file back to its last complete line; return the bytes dropped.
+
+    A run killed while writing leaves a partial last line, which would break the next read and
+    swallow the start of the next append. The pipeline's appenders call this before resuming."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    keep = data.rfind(b"\n") + 1
+    with path.open("r+b") as f:
+        f.truncate(keep)
+    return len(data) - keep
+
+
 def read_samples(path: Path) -> list[Sample]:
     return [Sample(d["key"], d["prompt"], d["response"], d["finish"]) for d in read_jsonl(path)]
 
@@ -78,6 +94,7 @@ def regenerate(
     on_batch: Callable[[int, int], None] | None = None,  # (turns done, new tokens) per batch
 ) -> RegenSummary:
     """Answer every user turn of `convs`, appending to `out_path`; turns already there are kept."""
+    drop_partial_tail(out_path)  # a killed run's last, half-written line
     done = {s.key: s for s in read_samples(out_path)}
     eot = tokenizer.eos_ids[0]  # the chat template's end-of-turn token comes first
     new = skipped = 0

@@ -27,7 +27,7 @@ from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs
 from eaglespec.tokenizer import Tokenizer
 from eaglespec.train.data import Conversation
-from eaglespec.train.regen import Sample, read_jsonl
+from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 
 _SENTINEL = "\x00eaglespec-user-turn\x00"
 SUMMARIZE = "Summarize: {text}"
@@ -69,6 +69,7 @@ def synthesize_prompts(
     Kept: ended by the model itself (end of turn), at least `min_words` words, not a duplicate.
     Gives up after drawing 4x `cfg.prompts` samples this call (a model that rarely ends a user
     turn by itself), returning what it has."""
+    drop_partial_tail(path)  # a killed run's last, half-written line
     have = read_synth_prompts(path)
     seen = {c.turns[0] for c in have}
     prefix = user_turn_prefix(tokenizer)
