@@ -140,6 +140,10 @@ class _QuantLinear(nn.Module):
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
 
 class Int8Linear(_QuantLinear):
     """y = x @ (s * q).T + b with int8 codes q (N, K), bf16 scales s (N,), optional bias b (N,)."""
@@ -193,10 +197,6 @@ class Int8Linear(_QuantLinear):
         if x2.shape[0] > KERNEL_MAX_ROWS:
             return F.linear(x2.float(), self.dequantize())  # (M, N) fp32
         return torch._weight_int8pack_mm(_aligned(x2.to(KERNEL_DTYPE)), self.weight, self.scales)
-
-    def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
 class Int4Linear(_QuantLinear):

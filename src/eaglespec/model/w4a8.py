@@ -51,9 +51,9 @@ import torch
 from torch import nn
 
 from eaglespec.errors import InvalidRequestError
-from eaglespec.model.quant import _QuantLinear, int4_codes
+from eaglespec.model.quant import INT4_GROUP, _check_cpu, _QuantLinear, int4_codes
 
-GROUP = 32
+GROUP = INT4_GROUP  # int4's groups: the codes are int4_codes'
 WINDOW = 16  # groups per window: one int32 lane per group in a 512-bit register
 ROWS = 4  # output rows per weight block
 SOURCE = Path(__file__).parent / "csrc" / "w4a8.cpp"
@@ -166,11 +166,7 @@ class W4A8Linear(_QuantLinear):
         require()
         N, K = codes.shape
         _check_shape(N, K)
-        if codes.device.type != "cpu":
-            raise InvalidRequestError(
-                f"w4a8 quantization runs on CPU only, the weights are on '{codes.device.type}'; "
-                "use --quant none on this device"
-            )
+        _check_cpu("w4a8", codes)
         self.in_features, self.out_features = K, N
         self.register_buffer("weight", pack(codes, scales, mins))
         self.register_buffer("bias", bias)
@@ -187,7 +183,3 @@ class W4A8Linear(_QuantLinear):
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         # (M, K) fp32 or bf16 -> (M, N) in x2's dtype
         return torch.ops.eaglespec_w4a8.linear(x2, self.weight, self.out_features)
-
-    def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"

@@ -69,13 +69,15 @@ def drop_partial_tail(path: Path) -> int:
 
     A run killed while writing leaves a partial last line, which would break the next read and
     swallow the start of the next append. The pipeline's appenders call this before resuming."""
-    if not path.exists():
+    if not path.exists() or path.stat().st_size == 0:
         return 0
-    data = path.read_bytes()
-    if not data or data.endswith(b"\n"):
-        return 0
-    keep = data.rfind(b"\n") + 1
     with path.open("r+b") as f:
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":  # the usual case: only the last byte is read
+            return 0
+        f.seek(0)
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
         f.truncate(keep)
     return len(data) - keep
 
