@@ -1,7 +1,9 @@
-"""Where a decode step's time goes: torch profiler over plain greedy decoding.
+"""Where a decode step's time goes: torch profiler over plain greedy decoding, or over
+speculative rounds with --draft (an EAGLE-3 head folder; --num-draft tokens per chain).
 
     python benchmarks/profile_step.py [--model smollm2-135m] [--dtype bfloat16]
         [--quant w4a8-all] [--compile full] [--tokens 24] [--rows 18]
+        [--draft src/eaglespec/heads/smollm2-135m --num-draft 3]
 
 Two warm-up generations (which also compile), then one profiled generation of --tokens tokens
 after a 40-token prompt; prints the operators by self CPU time. The prompt's prefill is in the
@@ -26,8 +28,18 @@ def main() -> None:
     ap.add_argument("--compile", default="full")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rows", type=int, default=18, help="operators to print")
+    ap.add_argument("--draft", default=None, help="EAGLE-3 head folder: profile speculation")
+    ap.add_argument("--num-draft", type=int, default=3)
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, compile=args.compile, progress=False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quant=args.quant,
+        compile=args.compile,
+        progress=False,
+        draft=args.draft,
+        num_draft=args.num_draft,
+    )
     ids = list(range(100, 140))  # a 40-token prompt
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     for _ in range(2):

@@ -44,7 +44,7 @@ from eaglespec.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from eaglespec.model.llama import check_compile_mode
+from eaglespec.model.llama import COMPILE_OPTIONS, check_compile_mode
 
 
 @dataclass(slots=True)
@@ -288,9 +288,9 @@ class Eagle3Head(nn.Module):
         check_compile_mode(mode)
         if mode == "none":
             return
-        self.midlayer.compile(dynamic=True)
+        self.midlayer.compile(dynamic=True, options=COMPILE_OPTIONS)
         for layer in self.extra_layers:
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, options=COMPILE_OPTIONS)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids (any shape) -> target-vocab ids: d + d2t[d]."""

@@ -34,6 +34,14 @@ from eaglespec.model.layers import (
 # steps, chain and tree verification (a 4,4,16 tree verifies 17 tokens), draft-model steps.
 COMPILE_MAX_TOKENS = 64
 
+# Inductor options of every compiled step. emulate_precision_casts: a fused kernel rounds each
+# intermediate to the model dtype where eager would, instead of keeping it in fp32. Without it the
+# one-token graph and the multi-token graph fuse differently, so in bf16 a verification forward
+# rounded differently from the decode steps it stands for (measured on SmolLM2 bf16 w4a8-all with
+# the whole body compiled: hidden states apart from the second layer on, greedy speculative output
+# off plain greedy within 5-70 tokens); with it they are bitwise equal, at no measurable cost.
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
 
 @dataclass(slots=True)
 class ForwardOutput:
@@ -174,21 +182,20 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The forward's tensor work: (B, T', V) fp32 logits and one (B, T, C) state per capture."""
         B = input_ids.shape[0]
-        L = self.cfg.num_layers
         rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
         x = self.embed(input_ids)  # (B, T, C)
-        hidden: dict[int, torch.Tensor] = {}
+        # The state at every boundary (references, no copies), picked by `capture` at the end.
+        # A dict keyed by the boundary ids breaks torch.compile's whole-body graph (dynamo
+        # treats the ints of `capture` as symbolic and the dict lookup then misses).
+        boundary = [x]
         for i, block in enumerate(self.layers):
-            if i in capture:
-                hidden[i] = x
             x = block(x, rope, k_layers[i], v_layers[i], plan)
-        if L in capture:
-            hidden[L] = x
+            boundary.append(x)
         if logit_index is not None:
             rows = torch.arange(B, device=x.device)[:, None]
             x = x[rows, logit_index]  # (B, T', C)
         logits = self.lm_head(self.norm(x)).float()
-        return logits, [hidden[b] for b in capture]
+        return logits, [boundary[b] for b in capture]
 
     def compile_steps(self, mode: str, max_tokens: int = COMPILE_MAX_TOKENS) -> None:
         """Run forwards of at most `max_tokens` new tokens onto a cached prefix (decode steps,
@@ -206,12 +213,21 @@ class Transformer(nn.Module):
             self.compiled_body = None
             return
         self.compile_max_tokens = max_tokens
+        # Dynamo keeps at most recompile_limit (default 8) graphs per code object, and every
+        # model's `body` is one code object: a process that compiles several models (a target
+        # and a draft model, the test suite) runs past 8, which under fullgraph is an error and
+        # otherwise a silent fall back to eager steps. vLLM raises the same limit.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if mode == "block":
             for block in self.layers:
-                block.compile(dynamic=True)
+                block.compile(dynamic=True, options=COMPILE_OPTIONS)
             self.compiled_body = self.body
         else:
-            self.compiled_body = torch.compile(self.body, dynamic=True)
+            # fullgraph: a graph break would silently fall back to per-block frames (each
+            # block compiled alone, plus the guard checks of every frame); make it an error.
+            self.compiled_body = torch.compile(
+                self.body, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS
+            )
 
 
 COMPILE_MODES = ("none", "block", "full")
