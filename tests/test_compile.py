@@ -164,9 +164,7 @@ def _decode_then_verify(model: Transformer, tokens: list[int]) -> tuple[list, ob
         cache.advance([1])
     T = len(tokens)
     mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None]
-    verify = model(
-        torch.tensor([tokens]), torch.arange(6, 6 + T)[None], prefilled(), mask, capture
-    )
+    verify = model(torch.tensor([tokens]), torch.arange(6, 6 + T)[None], prefilled(), mask, capture)
     return steps, verify
 
 
