@@ -118,29 +118,44 @@ def test_unknown_compile_mode_names_the_supported_ones(eager: Transformer) -> No
         copy.deepcopy(eager).compile_steps("fast")
 
 
-def test_compiled_head_steps_compute_the_eager_head(eager: Transformer) -> None:
-    """An EAGLE-3 head's compiled layers (`Eagle3Head.compile_steps`): a prefill over the
-    prompt, then single-token draft steps, give the eager head's logits and states."""
-    head = random_eagle3(eager, seed=2)
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_compiled_head_steps_compute_the_eager_head(eager: Transformer, mode: str) -> None:
+    """An EAGLE-3 head's compiled steps (`Eagle3Head.compile_steps`): after an eager prefill
+    over the prompt, single-token draft steps and a multi-token catch-up that projects one
+    column per row (`logit_index`, ragged rows) give the eager head's logits and states."""
+    head = random_eagle3(eager, draft_vocab_size=48, seed=2)
     comp = copy.deepcopy(head)
-    comp.compile_steps("block")
+    comp.compile_steps(mode)
     gen = torch.Generator().manual_seed(0)
     C = head.cfg.hidden_size
     ids = torch.tensor([[5, 17, 33, 2, 8], [9, 1, 4, 6, 0]])
     hidden = torch.randn(2, 5, C, generator=gen)
-    caches = [h.new_cache(2, 16) for h in (head, comp)]
+    caches = [h.new_cache(2, 24) for h in (head, comp)]
     outs = [
         h(ids, hidden, torch.arange(5).expand(2, 5), c)
         for h, c in zip((head, comp), caches, strict=True)
     ]
+    for c in caches:
+        c.advance([5, 4])
     for step in range(3):
-        for c in caches:
-            c.advance([5 if step == 0 else 1, 4 if step == 0 else 1])
         torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
-        nxt = torch.tensor([[3 + step], [7 + step]])
-        state = [o.prenorm[:, -1:] for o in outs]
+        torch.testing.assert_close(outs[1].prenorm, outs[0].prenorm, atol=1e-4, rtol=1e-4)
         pos = torch.tensor(caches[0].lengths)[:, None]
-        outs = [h(nxt, s, pos, c) for h, s, c in zip((head, comp), state, caches, strict=True)]
+        if step == 1:  # a catch-up of 3 and 2 tokens, logits at each row's last
+            nxt, state = torch.tensor([[3, 4, 5], [7, 8, 0]]), torch.randn(2, 3, C, generator=gen)
+            last = torch.tensor([[2], [1]])
+            outs = [
+                h(nxt, state, pos + torch.arange(3), c, logit_index=last)
+                for h, c in zip((head, comp), caches, strict=True)
+            ]
+            advance = [3, 2]
+        else:
+            nxt = torch.tensor([[3 + step], [7 + step]])
+            state = [o.prenorm[:, -1:] for o in outs]
+            outs = [h(nxt, s, pos, c) for h, s, c in zip((head, comp), state, caches, strict=True)]
+            advance = [1, 1]
+        for c in caches:
+            c.advance(advance)
     torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs[1].prenorm, outs[0].prenorm, atol=1e-4, rtol=1e-4)
 

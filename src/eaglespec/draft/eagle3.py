@@ -29,7 +29,7 @@ casting the head moves them too, so cast the target, never the head alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,12 @@ from eaglespec.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from eaglespec.model.llama import COMPILE_OPTIONS, check_compile_mode
+from eaglespec.model.llama import (
+    COMPILE_MAX_TOKENS,
+    check_compile_mode,
+    compile_module,
+    compile_whole,
+)
 
 
 @dataclass(slots=True)
@@ -100,11 +105,12 @@ class MidLayer(nn.Module):
         emb: torch.Tensor,  # (B, T, C) token embeddings
         g: torch.Tensor,  # (B, T, C) fused target features or the previous draft state
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
+        k_cache: torch.Tensor,  # (B, Hkv, S, D) the head cache's layer 0
+        v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
         x, residual = self.attn_input(emb, g)
-        attn = self.attn(x, rope, cache.k_layers[0], cache.v_layers[0], plan)
+        attn = self.attn(x, rope, k_cache, v_cache, plan)
         return self.after_attn(residual, attn)
 
     # The two halves around attention, shared with training (train/ttt.py), whose attention
@@ -125,10 +131,9 @@ class DecoderLayer(nn.Module):
     """Draft layers 1.. (num_hidden_layers > 1): a plain pre-norm Llama layer of width C, as
     vLLM runs them (`layer_idx > 0`)."""
 
-    def __init__(self, cfg: DraftConfig, layer: int) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         C, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.layer = layer  # its cache layer
         self.input_layernorm = RMSNorm(C, eps)
         self.attn = DraftAttention(cfg, C)
         self.post_attention_layernorm = RMSNorm(C, eps)
@@ -138,10 +143,10 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # (B, T, C)
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
+        k_cache: torch.Tensor,  # (B, Hkv, S, D) its layer of the head's cache
+        v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
-        k_cache, v_cache = cache.k_layers[self.layer], cache.v_layers[self.layer]
         x = x + self.attn(self.input_layernorm(x), rope, k_cache, v_cache, plan)
         y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return y
@@ -184,7 +189,7 @@ class Eagle3Head(nn.Module):
         )
         self.fc = nn.Linear(num_aux * Ct, C, bias=cfg.fc_bias) if use_fc else None
         self.midlayer = MidLayer(cfg)
-        self.extra_layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(1, cfg.num_layers))
+        self.extra_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(1, cfg.num_layers))
         self.norm = RMSNorm(C, eps) if cfg.final_norm or cfg.feed_normed else None
         self.lm_head: nn.Module
         if lm_head is not None:
@@ -199,6 +204,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Set by `compile_steps("full")`: the compiled `body`, used for steps of few tokens.
+        self.compiled_body: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # From a norm weight: norms stay in the activation dtype when linear layers get quantized.
     @property
@@ -262,10 +269,32 @@ class Eagle3Head(nn.Module):
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
         assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
         plan = cache.plan(T, attn_mask)
+        body = self.body
+        if self.compiled_body is not None and T <= COMPILE_MAX_TOKENS and not plan.prefix_free:
+            body = self.compiled_body
+        logits, prenorm = body(
+            input_ids, hidden, positions, cache.k_layers, cache.v_layers, plan, logit_index
+        )
+        return DraftOutput(logits=logits, prenorm=prenorm)
+
+    def body(
+        self,
+        input_ids: torch.Tensor,  # (B, T) int64
+        hidden: torch.Tensor,  # (B, T, C)
+        positions: torch.Tensor,  # (B, T) int64
+        k_layers: Sequence[torch.Tensor],  # num_layers x (B, Hkv, S, D)
+        v_layers: Sequence[torch.Tensor],
+        plan: CachePlan,
+        logit_index: torch.Tensor | None,  # (B, T') or None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tensor work: (B, T', Vd) fp32 logits and the (B, T, C) state for the next
+        step. `compile_steps("full")` compiles it whole."""
+        B = input_ids.shape[0]
         rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
-        x = self.midlayer(self.embed(input_ids), hidden, rope, cache, plan)  # (B, T, C)
-        for layer in self.extra_layers:
-            x = layer(x, rope, cache, plan)
+        emb = self.embed(input_ids)
+        x = self.midlayer(emb, hidden, rope, k_layers[0], v_layers[0], plan)  # (B, T, C)
+        for i, layer in enumerate(self.extra_layers, start=1):
+            x = layer(x, rope, k_layers[i], v_layers[i], plan)
         if self.cfg.feed_normed and self.norm is not None:
             x = self.norm(x)  # the post-norm state feeds both lm_head and the next step
             final = None
@@ -278,19 +307,25 @@ class Eagle3Head(nn.Module):
         if final is not None:
             y = final(y)
         logits: torch.Tensor = self.lm_head(y).float()  # (B, T', Vd)
-        return DraftOutput(logits=logits, prenorm=x)
+        return logits, x
 
     def compile_steps(self, mode: str) -> None:
-        """torch.compile the head's layers (the attention + MLP of each, as the target's "block"
-        mode does; any mode other than "none" compiles them, since one layer gains nothing from
-        a whole-forward graph). The host-side cache plan, embedding, fc and lm_head stay eager.
-        Shapes are dynamic: one graph for single-token draft steps, one for longer forwards."""
+        """torch.compile the head's steps of few tokens (draft steps, catch-ups; prefills stay
+        eager), as the target's modes do: "block" compiles each layer (attention + MLP) and
+        leaves the cache plan's tensors, embedding, norm and lm_head eager; "full" compiles
+        `body` whole, one graph per step. Shapes are dynamic: one graph for single-token draft
+        steps, one for longer forwards."""
         check_compile_mode(mode)
         if mode == "none":
+            self.compiled_body = None
             return
-        self.midlayer.compile(dynamic=True, options=COMPILE_OPTIONS)
-        for layer in self.extra_layers:
-            layer.compile(dynamic=True, options=COMPILE_OPTIONS)
+        if mode == "block":
+            compile_module(self.midlayer)
+            for layer in self.extra_layers:
+                compile_module(layer)
+            self.compiled_body = None
+        else:
+            self.compiled_body = compile_whole(self.body)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids (any shape) -> target-vocab ids: d + d2t[d]."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -213,24 +214,37 @@ class Transformer(nn.Module):
             self.compiled_body = None
             return
         self.compile_max_tokens = max_tokens
-        # Dynamo keeps at most recompile_limit (default 8) graphs per code object, and every
-        # model's `body` is one code object: a process that compiles several models (a target
-        # and a draft model, the test suite) runs past 8, which under fullgraph is an error and
-        # otherwise a silent fall back to eager steps. vLLM raises the same limit.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if mode == "block":
             for block in self.layers:
-                block.compile(dynamic=True, options=COMPILE_OPTIONS)
+                compile_module(block)
             self.compiled_body = self.body
         else:
-            # fullgraph: a graph break would silently fall back to per-block frames (each
-            # block compiled alone, plus the guard checks of every frame); make it an error.
-            self.compiled_body = torch.compile(
-                self.body, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS
-            )
+            self.compiled_body = compile_whole(self.body)
 
 
 COMPILE_MODES = ("none", "block", "full")
+
+
+def _raise_recompile_limit() -> None:
+    # Dynamo keeps at most recompile_limit (default 8) graphs per code object, and every
+    # model's `body` is one code object: a process that compiles several models (a target and
+    # a draft model, the test suite) runs past 8, which under fullgraph is an error and
+    # otherwise a silent fall back to eager steps. vLLM raises the same limit.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+def compile_module(module: nn.Module) -> None:
+    """Compile one layer in place ("block" mode): dynamic shapes, COMPILE_OPTIONS."""
+    _raise_recompile_limit()
+    module.compile(dynamic=True, options=COMPILE_OPTIONS)
+
+
+def compile_whole(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A step's whole tensor work as one graph ("full" mode). fullgraph: a graph break would
+    silently fall back to eager frames (for the target: each block compiled alone, plus every
+    frame's guard checks), so make it an error."""
+    _raise_recompile_limit()
+    return torch.compile(fn, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
 
 
 def check_compile_mode(mode: str) -> str:
