@@ -198,3 +198,20 @@ def test_compiled_bf16_verification_is_bitwise_the_decode_steps(
         assert torch.equal(step.logits[0, 0], verify.logits[0, j]), f"logits of token {j}"
         for b, (h1, hT) in enumerate(zip(step.hidden, verify.hidden, strict=True)):
             assert torch.equal(h1[0, 0], hT[0, j]), f"token {j}, boundary {b}"
+
+
+def test_one_graph_serves_every_multi_token_step(eager: Transformer) -> None:
+    """After one one-token step and one 2-token verification, 3- and 4-token verifications
+    reuse the compiled graphs. With dynamo's duck sizing the 2-token graph assumed T == the 2
+    KV heads of this model and every other T compiled anew, mid-generation."""
+    comp = _compiled(eager, "full")
+    cache = comp.new_cache(1, 32)
+    comp(torch.tensor([[5, 17, 33]]), torch.arange(3)[None], cache)
+    cache.advance([3])
+    for T in (1, 2):  # the graphs: one-token steps, multi-token verification
+        mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None] if T > 1 else None
+        comp(torch.arange(T)[None] + 7, 3 + torch.arange(T)[None], cache, mask, (0, 2))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T in (3, 4, 2):
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None]
+            comp(torch.arange(T)[None] + 7, 3 + torch.arange(T)[None], cache, mask, (0, 2))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from eaglespec.cache import CachePlan, KVCache
@@ -225,17 +226,24 @@ class Transformer(nn.Module):
 COMPILE_MODES = ("none", "block", "full")
 
 
-def _raise_recompile_limit() -> None:
-    # Dynamo keeps at most recompile_limit (default 8) graphs per code object, and every
-    # model's `body` is one code object: a process that compiles several models (a target and
-    # a draft model, the test suite) runs past 8, which under fullgraph is an error and
-    # otherwise a silent fall back to eager steps. vLLM raises the same limit.
+def _dynamo_settings() -> None:
+    """Process-wide dynamo settings every compiled step needs (vLLM sets the same ones).
+
+    recompile_limit: dynamo keeps at most 8 graphs per code object by default, and every
+    model's `body` is one code object: a process that compiles several models (a target and a
+    draft model, the test suite) runs past 8, which under fullgraph is an error and otherwise a
+    silent fall back to eager steps.
+    use_duck_shape off: by default two dynamic sizes equal when a graph is traced are assumed
+    equal for good, so a 3-token verification of SmolLM2 (3 KV heads) compiled a graph for
+    T == Hkv, and the next 2-token one compiled again, mid-generation (seconds, for the
+    whole body). Without it, one graph serves every T > 1."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    fx_config.use_duck_shape = False
 
 
 def compile_module(module: nn.Module) -> None:
     """Compile one layer in place ("block" mode): dynamic shapes, COMPILE_OPTIONS."""
-    _raise_recompile_limit()
+    _dynamo_settings()
     module.compile(dynamic=True, options=COMPILE_OPTIONS)
 
 
@@ -243,7 +251,7 @@ def compile_whole(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A step's whole tensor work as one graph ("full" mode). fullgraph: a graph break would
     silently fall back to eager frames (for the target: each block compiled alone, plus every
     frame's guard checks), so make it an error."""
-    _raise_recompile_limit()
+    _dynamo_settings()
     return torch.compile(fn, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
 
 
