@@ -215,3 +215,29 @@ def test_one_graph_serves_every_multi_token_step(eager: Transformer) -> None:
         for T in (3, 4, 2):
             mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None]
             comp(torch.arange(T)[None] + 7, 3 + torch.arange(T)[None], cache, mask, (0, 2))
+
+
+def test_each_compiled_model_keeps_its_own_graphs(eager: Transformer) -> None:
+    """Full mode skips dynamo's guards on the module's own parameters and submodules (their
+    checks cost more than a tenth of a SmolLM2 decode step), so each model's step gets a code
+    object of its own: a dense model and an int8 copy of the same class, compiled and called in
+    turn, each compute their own eager steps, never the other's graph."""
+    dense = copy.deepcopy(eager)
+    int8 = quantize_model(copy.deepcopy(eager), "int8")
+    ids, pos = torch.tensor([[5, 17, 33]]), torch.arange(3)[None]
+    want = {}
+    for name, model in (("dense", dense), ("int8", int8)):
+        cache = model.new_cache(1, 16)
+        model(ids, pos, cache)  # prefill (eager), then one step
+        cache.advance([3])
+        want[name] = model(torch.tensor([[7]]), torch.tensor([[3]]), cache).logits
+    assert not torch.allclose(want["dense"], want["int8"], atol=1e-6)  # the two really differ
+    for model in (dense, int8):
+        model.compile_steps("full")
+    for _ in range(2):
+        for name, model in (("dense", dense), ("int8", int8)):
+            cache = model.new_cache(1, 16)
+            model(ids, pos, cache)
+            cache.advance([3])
+            got = model(torch.tensor([[7]]), torch.tensor([[3]]), cache).logits
+            torch.testing.assert_close(got, want[name], atol=1e-4, rtol=1e-4)
