@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eaglespec.tree import build_tree, chain_tree, verify_positions
@@ -49,6 +50,18 @@ def test_chain_is_a_path() -> None:
     assert t.mask[1].int().tril().equal(t.mask[1].int()) and bool(t.mask[1].all(-1)[-1])
     assert t.paths[0, 3].tolist() == [0, 1, 2, 3]
     assert t.children[0, :, 0].tolist() == [1, 2, 3, -1]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+def test_chain_structure_in_closed_form_is_build_trees(k: int) -> None:
+    """chain_tree writes a chain's structure down directly; build_tree derives the same."""
+    root, draft = torch.tensor([5, 6, 7]), torch.arange(3 * k).view(3, k) + 10
+    fast = chain_tree(root, draft)
+    parents = torch.arange(-1, k).expand(3, k + 1)
+    slow = build_tree(fast.tokens, parents, max_depth=k, max_children=1)
+    for field in ("tokens", "parents", "depth", "mask", "paths", "children"):
+        assert torch.equal(getattr(fast, field), getattr(slow, field)), field
+    assert (fast.max_depth, fast.max_children) == (slow.max_depth, slow.max_children)
 
 
 def test_batch_rows_with_different_shapes() -> None:
