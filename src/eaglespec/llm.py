@@ -32,10 +32,11 @@ class LLM:
     model/quant.py), the target's and the draft's; "int4" keeps the output head at int8,
     "int4-all" makes it int4 too; "w4a8" / "w4a8-all" are the same with activations quantized
     to int8 in eaglespec's own kernel (model/w4a8.py; AVX-512 VNNI CPUs), the fastest CPU
-    decode, not bitwise lossless under speculation. `compile` "block" / "full" runs decode and
-    verification steps of the target (and of a draft model) through torch.compile
-    (`Transformer.compile_steps`): seconds to a minute of compiling on first use, then faster
-    steps.
+    decode; run it in bfloat16, where speculation over it is tested bitwise lossless (in fp32 a
+    verification can flip an int8 activation code that one-token steps do not). `compile`
+    "block" / "full" runs the decode and verification steps of the target, of a draft model and
+    of an EAGLE-3 head through torch.compile (`compile_steps`): seconds to a couple of minutes of
+    compiling on first use, then faster steps.
     """
 
     def __init__(
