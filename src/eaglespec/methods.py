@@ -73,7 +73,8 @@ def make_proposer(
 
 def compile_proposer(proposer: Proposer | None, mode: str) -> None:
     """torch.compile what a proposer runs per draft step: a draft model's decode steps, or an
-    EAGLE-3 head's layers ("none" leaves both eager). Prompt lookup has nothing to compile."""
+    EAGLE-3 head's steps (its layers in "block" mode, its whole step in "full"; "none" leaves
+    both eager). Prompt lookup has nothing to compile."""
     if isinstance(proposer, DraftModelProposer):
         proposer.model.compile_steps(mode)
     elif isinstance(proposer, Eagle3Proposer):

@@ -230,10 +230,11 @@ COMPILE_MODES = ("none", "block", "full")
 def _dynamo_settings() -> None:
     """Process-wide dynamo settings every compiled step needs (vLLM sets the same ones).
 
-    recompile_limit: dynamo keeps at most 8 graphs per code object by default, and every
-    model's `body` is one code object: a process that compiles several models (a target and a
-    draft model, the test suite) runs past 8, which under fullgraph is an error and otherwise a
-    silent fall back to eager steps.
+    recompile_limit: dynamo keeps at most 8 graphs per code object by default. In block mode
+    every layer class's `forward` is one code object shared by every model that compiles it (a
+    target and a draft model, the test suite), which runs past 8 and then falls back to eager
+    steps; full mode gives each step a code object of its own (`compile_whole`), but one step
+    still takes several graphs (one-token steps, multi-token forwards, captures on or off).
     use_duck_shape off: by default two dynamic sizes equal when a graph is traced are assumed
     equal for good, so a 3-token verification of SmolLM2 (3 KV heads) compiled a graph for
     T == Hkv, and the next 2-token one compiled again, mid-generation (seconds, for the
