@@ -1,13 +1,14 @@
 """layers.attend: SDPA for fp32, the spelled-out attend_math for 16-bit inputs on a CPU (SDPA's
-CPU kernel is 10x slower there for few queries; benchmarks/attention_cpu.py). Both compute the
-same attention: checked against an fp32 reference with masks, GQA and ragged rows."""
+CPU kernel is 10x slower there for few queries; benchmarks/attention_cpu.py), attend_fused in
+compiled forwards (inductor fuses it into loops instead of two bmm calls). All compute the same
+attention: checked against an fp32 reference with masks, GQA and ragged rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eaglespec.model.layers import attend, attend_math
+from eaglespec.model.layers import attend, attend_fused, attend_math
 
 
 def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -40,3 +41,22 @@ def test_attend_matches_the_reference(dtype: torch.dtype) -> None:
 def test_16_bit_cpu_attention_is_attend_math() -> None:
     q, k, v, mask = _inputs(torch.bfloat16)
     assert torch.equal(attend(q, k, v, mask, causal=False), attend_math(q, k, v, mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", [attend_math, attend_fused])
+def test_spelled_out_forms_match_the_reference(form, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, mask = _inputs(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    out = form(q, k, v, mask)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), _reference(q, k, v, mask), atol=tol, rtol=tol)
+
+
+def test_compiled_attention_is_attend_fused() -> None:
+    """Under torch.compile, attention onto a cache takes the fused form (fp32: matches eager)."""
+    q, k, v, mask = _inputs(torch.float32)
+    compiled = torch.compile(lambda *a: attend(*a, causal=False), backend="eager", fullgraph=True)
+    fused, spelled = attend_fused(q, k, v, mask), attend_math(q, k, v, mask)
+    assert not torch.equal(fused, spelled)  # the forms round apart, so the check below tells them apart
+    assert torch.equal(compiled(q, k, v, mask), fused)

@@ -102,15 +102,19 @@ def attend(
     """q (B, H, T, D); k, v (B, Hkv, K, D); mask (B, 1, T, K) bool (True = attend) or None.
 
     `causal` is only valid when K == T (no cached prefix). GQA runs without repeating K/V.
-    Eager fp32 forwards call SDPA. Attention onto a cache is spelled out (`attend_math`) when
-    the forward is being compiled (inductor fuses it into a few loops) and for 16-bit inputs on
-    a CPU, where SDPA's kernel is slow for few queries: one query per row over 301 keys, 64 rows,
-    bf16, one thread on the development VM: SDPA 30.1 ms, `attend_math` 2.8 ms (fp32: 3.9 vs
-    5.8 ms, so fp32 keeps SDPA); benchmarks/attention_cpu.py measures it.
+    Attention onto a cache takes one of three forms:
+    - compiled (`attend_fused`): products and sums that inductor fuses into loops of its own.
+      The matmul form compiles to two extern bmm calls per layer, which cost SmolLM2's bf16
+      w4a8 chain-2 step 3.75 ms of ~16 ms (2 threads). The fused form measured 27% faster
+      plain decode and 45% faster chain-2 decode, end to end (BENCHMARKS.md, session 12).
+    - eager 16-bit on a CPU (`attend_math`): SDPA's kernel is slow for few queries. One query
+      per row over 301 keys, 64 rows, bf16, one thread: SDPA 30.1 ms, `attend_math` 2.8 ms
+      (fp32: 3.9 vs 5.8 ms, so fp32 keeps SDPA); benchmarks/attention_cpu.py measures it.
+    - otherwise SDPA.
     """
-    if not causal and (
-        torch.compiler.is_compiling() or (q.device.type == "cpu" and q.dtype != torch.float32)
-    ):
+    if not causal and torch.compiler.is_compiling():
+        return attend_fused(q, k, v, mask)
+    if not causal and q.device.type == "cpu" and q.dtype != torch.float32:
         return attend_math(q, k, v, mask)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
@@ -132,6 +136,26 @@ def attend_math(
         scores = scores.view(B, Hkv, G, T, K).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * T, K)
     return (probs @ v).view(B, H, T, D)
+
+
+def attend_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """`attend_math` as broadcast products and sums (fp32), for inductor to fuse; eagerly it
+    would materialize a (B, Hkv, G, T, K, D) product, so only compiled forwards call it.
+
+    q (B, H, T, D); k, v (B, Hkv, K, D); mask (B, 1, T, K) or None -> (B, H, T, D)."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.unflatten(1, (Hkv, H // Hkv)).unsqueeze(-2)  # (B, Hkv, G, T, 1, D)
+    kb = k[:, :, None, None]  # (B, Hkv, 1, 1, K, D)
+    scores = (qg.float() * kb.float()).sum(-1) * D**-0.5  # (B, Hkv, G, T, K)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, 1, T, K)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, Hkv, G, T, K)
+    vb = v[:, :, None, None]  # (B, Hkv, 1, 1, K, D)
+    out = (probs[..., None].float() * vb.float()).sum(-2)  # (B, Hkv, G, T, D)
+    return out.to(v.dtype).reshape(B, H, T, D)
 
 
 def cached_attention(
