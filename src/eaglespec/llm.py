@@ -35,8 +35,8 @@ class LLM:
     decode; run it in bfloat16, where speculation over it is tested bitwise lossless (in fp32 a
     verification can flip an int8 activation code that one-token steps do not). `compile`
     "block" / "full" runs the decode and verification steps of the target, of a draft model and
-    of an EAGLE-3 head through torch.compile (`compile_steps`): seconds to a couple of minutes of
-    compiling on first use, then faster steps.
+    of an EAGLE-3 head through torch.compile (`compile_steps`): seconds (block) to minutes
+    (full) of compiling on first use, then faster steps.
     """
 
     def __init__(
