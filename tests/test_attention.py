@@ -5,6 +5,8 @@ attention: checked against an fp32 reference with masks, GQA and ragged rows."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -45,7 +47,9 @@ def test_16_bit_cpu_attention_is_attend_math() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", [attend_math, attend_fused])
-def test_spelled_out_forms_match_the_reference(form, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+def test_spelled_out_forms_match_the_reference(
+    form: Callable[..., torch.Tensor], dtype: torch.dtype
+) -> None:
     q, k, v, mask = _inputs(dtype)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     out = form(q, k, v, mask)
@@ -58,5 +62,5 @@ def test_compiled_attention_is_attend_fused() -> None:
     q, k, v, mask = _inputs(torch.float32)
     compiled = torch.compile(lambda *a: attend(*a, causal=False), backend="eager", fullgraph=True)
     fused, spelled = attend_fused(q, k, v, mask), attend_math(q, k, v, mask)
-    assert not torch.equal(fused, spelled)  # the forms round apart, so the check below tells them apart
+    assert not torch.equal(fused, spelled)  # they round apart, so the check below tells them apart
     assert torch.equal(compiled(q, k, v, mask), fused)

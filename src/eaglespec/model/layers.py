@@ -105,8 +105,9 @@ def attend(
     Attention onto a cache takes one of three forms:
     - compiled (`attend_fused`): products and sums that inductor fuses into loops of its own.
       The matmul form compiles to two extern bmm calls per layer, which cost SmolLM2's bf16
-      w4a8 chain-2 step 3.75 ms of ~16 ms (2 threads). The fused form measured 27% faster
-      plain decode and 45% faster chain-2 decode, end to end (BENCHMARKS.md, session 12).
+      w4a8 chain-2 round 3.75 ms of ~16 ms (2 threads). The fused form measured 18-34% faster
+      plain decode and 8-45% faster chain-2 decode, end to end (BENCHMARKS.md, sessions
+      11-12); each extra query token costs more than with matmuls (the verify-cost curve).
     - eager 16-bit on a CPU (`attend_math`): SDPA's kernel is slow for few queries. One query
       per row over 301 keys, 64 rows, bf16, one thread: SDPA 30.1 ms, `attend_math` 2.8 ms
       (fp32: 3.9 vs 5.8 ms, so fp32 keeps SDPA); benchmarks/attention_cpu.py measures it.
