@@ -58,7 +58,8 @@ def test_spelled_out_forms_match_the_reference(
 
 
 def test_compiled_attention_is_attend_fused() -> None:
-    """Under torch.compile, attention onto a cache takes the fused form (fp32: matches eager)."""
+    """Under torch.compile, attention onto a cache takes the fused form: bitwise attend_fused's
+    result (the eager backend runs the traced ops as they are), not attend_math's."""
     q, k, v, mask = _inputs(torch.float32)
     compiled = torch.compile(lambda *a: attend(*a, causal=False), backend="eager", fullgraph=True)
     fused, spelled = attend_fused(q, k, v, mask), attend_math(q, k, v, mask)
