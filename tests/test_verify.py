@@ -71,6 +71,25 @@ def test_sampled_with_one_hot_targets_equals_greedy() -> None:
         assert torch.equal(g.next_token, s.next_token) and torch.equal(g.bonus, s.bonus)
 
 
+def test_greedy_chain_closed_form_equals_the_general_walk() -> None:
+    """verify_greedy's chain path (closed form) against the same chain built as a general tree
+    (max_children 2, so the mask-and-score walk runs): every field, over random drafts whose
+    tokens often match the argmax (small vocabulary), chains of 0 to 4 drafts."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        B, k, V = 5, trial % 5, 3
+        chain = chain_tree(
+            torch.randint(0, V, (B,), generator=gen), torch.randint(0, V, (B, k), generator=gen)
+        )
+        general = build_tree(chain.tokens, chain.parents, max_depth=k, max_children=2)
+        assert chain.is_chain and not general.is_chain
+        logits = torch.randn(B, k + 1, V, generator=gen)
+        fast, walk = verify_greedy(chain, logits), verify_greedy(general, logits)
+        assert torch.equal(fast.path, walk.path) and torch.equal(fast.last_node, walk.last_node)
+        assert torch.equal(fast.num_accepted, walk.num_accepted)
+        assert torch.equal(fast.next_token, walk.next_token) and torch.equal(fast.bonus, walk.bonus)
+
+
 def _chi2(counts: torch.Tensor, p: torch.Tensor) -> float:
     n = counts.sum()
     keep = p > 0

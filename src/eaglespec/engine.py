@@ -375,12 +375,11 @@ def speculate_round(
         drafted = chain_tree(roots, drafts)
     clock.mark()
     prefix = torch.tensor(batch.cache.lengths, device=batch.roots.device)
-    single = drafted.num_nodes == 1  # no drafts: a plain decoding step, same forward and mask
     out: ForwardOutput = target(
         drafted.tokens,
         verify_positions(drafted, prefix),
         batch.cache,
-        attn_mask=None if single else drafted.mask,
+        attn_mask=None if drafted.is_chain else drafted.mask,  # a chain's mask is causal
         capture=proposer.capture,
     )
     result = _verify(drafted, out.logits, batch.st, batch.generators)
@@ -393,8 +392,8 @@ def speculate_round(
     if any(t is not None for t in logprobs):
         lps = _round_logprobs(out.logits, result, path_tokens, tokens, logprobs)
     clock.mark()
-    if single:
-        batch.cache.advance([1] * len(rows))
+    if drafted.is_chain:  # the root and accepted drafts already sit in their slots, in order
+        batch.cache.advance([a + 1 for a in accepted])
     else:
         batch.cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
     batch.draft = _catch_up(proposer, batch.draft, out, result, path_tokens, accepted)

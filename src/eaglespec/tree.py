@@ -43,6 +43,12 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def is_chain(self) -> bool:
+        """At most one child per node: in topological order that is the chain 0 -> 1 -> 2 ...,
+        so node i sits at depth i, its root path is 0 .. i and its mask row is causal."""
+        return self.max_children <= 1
+
 
 def build_tree(
     tokens: torch.Tensor,

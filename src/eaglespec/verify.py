@@ -42,6 +42,8 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     """target_logits (B, N, V) -> the longest root path whose every token is the target's argmax."""
     B, N = tree.tokens.shape
     argmax = target_logits.argmax(-1)  # (B, N): the target's next token after each node
+    if tree.is_chain:
+        return _verify_greedy_chain(tree, argmax)
     parent = tree.parents.clamp(min=0)
     correct = tree.tokens == torch.gather(argmax, 1, parent)  # (B, N): node matches its parent
     correct[:, 0] = True
@@ -60,6 +62,22 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
         next_token=argmax[rows, last],
         bonus=leaf,
         last_node=last,
+    )
+
+
+def _verify_greedy_chain(tree: DraftTree, argmax: torch.Tensor) -> VerifyResult:
+    """verify_greedy on a chain, in closed form: draft j is accepted when it and every draft
+    before it equal the target's argmax after its parent (node j - 1)."""
+    B, N = argmax.shape
+    match = tree.tokens[:, 1:] == argmax[:, :-1]  # (B, N - 1)
+    accepted = match.long().cumprod(1).sum(1)  # (B,) the deepest accepted node = its depth
+    rows = torch.arange(B, device=argmax.device)
+    return VerifyResult(
+        path=tree.paths[rows, accepted],
+        num_accepted=accepted,
+        next_token=argmax[rows, accepted],
+        bonus=accepted == N - 1,
+        last_node=accepted,
     )
 
 
