@@ -36,7 +36,8 @@ def _simulate(
 def test_explores_each_arm_once_then_exploits_long_chains() -> None:
     policy = AdaptiveDraft(4)
     chosen = _simulate(policy, 0.9, lambda b, k: 0.010 + 0.001 * k, 200)
-    assert [c.num_draft for c in chosen[:5]] == [0, 1, 2, 3, 4]
+    # each arm twice: a warm-up round, then the timed one
+    assert [c.num_draft for c in chosen[:10]] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert [c.num_draft for c in chosen[-50:]] == [4] * 50
     assert policy.accept_prob(0) == pytest.approx(0.9, abs=0.06)
 
@@ -50,11 +51,16 @@ def test_stops_drafting_when_nothing_is_accepted_but_probes() -> None:
 
 
 def test_expensive_verification_prefers_short_chains() -> None:
-    # 60% acceptance; each draft token costs 40% of a plain step: one draft at most pays.
-    policy = AdaptiveDraft(4)
-    chosen = _simulate(policy, 0.6, lambda b, k: 0.010 + 0.004 * k, 400)
-    tail = [c.num_draft for c in chosen[-100:]]
-    assert max(set(tail), key=tail.count) == 1
+    # 60% acceptance; each draft token costs 40% of a plain step: one draft at most pays
+    # (14% over plain steps). A run whose acceptance estimate dips under the 5% margin settles
+    # on plain steps until probes lift it again, so this asks most seeded runs, not every one.
+    prefers_one = 0
+    for seed in range(10):
+        policy = AdaptiveDraft(4)
+        chosen = _simulate(policy, 0.6, lambda b, k: 0.010 + 0.004 * k, 400, seed=seed)
+        tail = [c.num_draft for c in chosen[-100:]]
+        prefers_one += max(set(tail), key=tail.count) == 1
+    assert prefers_one >= 8
 
 
 def test_costs_are_kept_per_batch_bucket() -> None:
@@ -75,10 +81,27 @@ def test_tree_arm_uses_its_measured_tokens() -> None:
     policy = AdaptiveDraft(2, tree)
     arm = DraftChoice(0, tree)
     assert arm in policy.choices and arm.name == "tree3,2,4"
-    for c in policy.choices:  # measure every arm: the tree accepts 2 per row, chains nothing
+    for c in policy.choices * 2:  # warm up and time every arm: the tree accepts 2 per row
         policy.observe(1, c, 0.010, [2] if c.tree else [0])
-    assert policy.expected_tokens(arm) == 3.0
+    assert policy.expected_tokens(arm) == pytest.approx(3.0)
     assert policy.choose(1) == arm
+
+
+def test_first_round_of_an_arm_is_a_warm_up_and_not_timed() -> None:
+    """A compiled step compiles on its first call: that round must not become the arm's cost,
+    or plain steps (explored first) would look minutes long and never be chosen again."""
+    policy = AdaptiveDraft(1)
+    plain, chain = DraftChoice(0), DraftChoice(1)
+    policy.observe(1, plain, 300.0, [0])  # compiling
+    assert policy.choose(1) == plain and 1 not in policy.arms[plain].seconds
+    policy.observe(1, plain, 0.010, [0])
+    policy.observe(1, chain, 200.0, [0])  # compiling
+    policy.observe(1, chain, 0.020, [0])
+    assert policy.arms[plain].seconds[1] == 0.010 and policy.arms[chain].seconds[1] == 0.020
+    assert policy.choose(1) == plain  # nothing accepted: a draft round costs twice a plain one
+    policy.observe(4, chain, 99.0, [1, 1, 1, 1])  # a new batch bucket warms up again
+    assert 4 not in policy.arms[chain].seconds
+    assert policy.accept_prob(0) > 0.5  # acceptance counts are kept from warm-up rounds
 
 
 def test_make_policy_modes() -> None:

@@ -14,7 +14,9 @@ tree configured beside the chains is one more arm with its own measured tokens p
 
 k = 0 is a plain decoding step (the draft only catches up), so drafting stops when no k > 0
 beats it by a margin (5%, so that round-time noise alone does not move it off plain steps). Arms
-never measured at a batch bucket are tried once before their costs are trusted, and while
+never measured at a batch bucket are tried before their costs are trusted, twice: the first
+round of an arm at a bucket is a warm-up whose time is not kept (first calls allocate, and a
+compiled step compiles that shape), and while
 drafting is off a probe round every `probe_every` rounds keeps the acceptance estimate from going
 stale. This is the cost model the server runs; nothing in it is a constant guessed for a machine
 (the margin is a tolerance for noise, not a cost).
@@ -64,6 +66,8 @@ class FixedDraft:
 class _Arm:
     seconds: dict[int, float] = field(default_factory=dict)  # batch bucket -> EMA round seconds
     tokens: float | None = None  # EMA tokens per row per round (trees only)
+    # Buckets whose first round this policy has seen: that round is not timed (warm-up).
+    warmed: set[int] = field(default_factory=set)
 
 
 class AdaptiveDraft:
@@ -107,7 +111,7 @@ class AdaptiveDraft:
 
     def choose(self, batch: int) -> DraftChoice:
         bucket = _bucket(batch)
-        for c in self.choices:  # explore: every arm is measured once per batch bucket
+        for c in self.choices:  # explore: every arm is timed once per batch bucket
             if bucket not in self.arms[c].seconds:
                 return c
         best = max(self.choices, key=lambda c: self.rate(c, bucket))
@@ -139,13 +143,19 @@ class AdaptiveDraft:
     def observe(
         self, batch: int, choice: DraftChoice, seconds: float, accepted: Sequence[int]
     ) -> None:
-        """One finished round: its wall time and the draft tokens each row accepted."""
+        """One finished round: its wall time and the draft tokens each row accepted. The first
+        round of each arm at each batch bucket warms it up and its time is not kept: eager first
+        calls allocate, and a compiled step compiles the round's shape on first use (minutes for
+        a fully compiled target), which would make that arm look minutes long for many rounds."""
         arm = self.arms.get(choice)
         if arm is None:
             return
         bucket = _bucket(batch)
-        old = arm.seconds.get(bucket)
-        arm.seconds[bucket] = seconds if old is None else _mix(old, seconds, self.smoothing)
+        if bucket in arm.warmed:
+            old = arm.seconds.get(bucket)
+            arm.seconds[bucket] = seconds if old is None else _mix(old, seconds, self.smoothing)
+        else:  # its first round here pays first-call costs (a compile of its shape: minutes)
+            arm.warmed.add(bucket)
         if choice.tree is not None:
             mean = 1.0 + sum(accepted) / max(1, len(accepted))
             arm.tokens = mean if arm.tokens is None else _mix(arm.tokens, mean, self.smoothing)
