@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -148,6 +149,12 @@ def test_a_head_retrained_into_the_same_folder_is_another_calibration(
     (folder / "work").mkdir()  # a training run's features beside the head change nothing
     (folder / "work" / "shard-00000.safetensors").write_bytes(b"features")
     assert calibration_key(with_head) == key
+
+    copy = tmp_path / "clone" / "head"  # the same head in another clone of the package
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("work"))
+    elsewhere = LLM(str(tiny_hf_folder), progress=False, draft=str(copy), num_draft=2,
+                    speculation="adaptive")  # fmt: skip
+    assert calibration_key(elsewhere) == key
 
     save_eagle3(random_eagle3(llm.model, seed=2), folder, bounds)  # same path, new weights
     assert calibration_key(with_head).draft_content != key.draft_content

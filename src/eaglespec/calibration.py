@@ -46,7 +46,7 @@ class CalibrationKey:
     model: str  # resolved model path
     model_bytes: int
     method: str
-    draft: str | None  # draft path or name
+    draft: str | None  # draft name, or a draft path's last component (its content is keyed)
     draft_content: str | None  # draft_fingerprint(draft): None for names and "random"
     num_draft: int
     tree: str | None
@@ -94,12 +94,16 @@ def calibration_key(llm: LLM) -> CalibrationKey:
         else (path.stat().st_size if path.exists() else 0)
     )
     tree = llm.tree
+    content = draft_fingerprint(llm.draft)
+    # A draft path is keyed by its content and folder name, not where it lies: the head shipped
+    # in one clone of the package is the same head in another.
+    draft = llm.draft if content is None or llm.draft is None else Path(llm.draft).name
     return CalibrationKey(
         model=str(path.resolve()) if path.exists() else str(path),
         model_bytes=size,
         method=llm.method,
-        draft=llm.draft,
-        draft_content=draft_fingerprint(llm.draft),
+        draft=draft,
+        draft_content=content,
         num_draft=llm.num_draft,
         tree=None if tree is None else f"{tree.depth},{tree.top_k},{tree.num_nodes}",
         device=str(llm.model.device),
