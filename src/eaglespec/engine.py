@@ -383,7 +383,8 @@ def speculate_round(
         capture=proposer.capture,
     )
     result = _verify(drafted, out.logits, batch.st, batch.generators)
-    path_tokens = torch.gather(drafted.tokens, 1, result.path.clamp(min=0))  # (B, D + 1)
+    nodes = result.path.clamp(min=0)  # (B, D + 1) root, accepted nodes, then node 0 as padding
+    path_tokens = torch.gather(drafted.tokens, 1, nodes)  # (B, D + 1)
     host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
     rows = host.tolist()  # sync: the round's tokens, once for all rows
     accepted = [r[0] for r in rows]
@@ -392,10 +393,11 @@ def speculate_round(
     if any(t is not None for t in logprobs):
         lps = _round_logprobs(out.logits, result, path_tokens, tokens, logprobs)
     clock.mark()
-    if drafted.is_chain:  # the root and accepted drafts already sit in their slots, in order
-        batch.cache.advance([a + 1 for a in accepted])
+    committed = [a + 1 for a in accepted]  # the root and the accepted drafts
+    if drafted.is_chain:  # already in their slots, in order
+        batch.cache.advance(committed)
     else:
-        batch.cache.keep(result.path.clamp(min=0), [a + 1 for a in accepted])
+        batch.cache.keep(nodes, committed)
     batch.draft = _catch_up(proposer, batch.draft, out, result, path_tokens, accepted)
     batch.roots = result.next_token
     clock.mark()
