@@ -1,6 +1,6 @@
-"""Attention onto a KV cache on CPU: SDPA's kernel against the spelled-out `attend_math`, per
-dtype, for decode-like shapes (few queries per row over a cached prefix). layers.attend picks
-between them from these numbers.
+"""Attention onto a KV cache on CPU: SDPA's kernel, the spelled-out `attend_math` and eaglespec's
+own kernel (`cpu_attention`, where it builds), per dtype, for decode-like shapes (few queries per
+row over a cached prefix). layers.attend picks between them from these numbers.
 
     python benchmarks/attention_cpu.py [--threads 2] [--repeats 20]
 """
@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from eaglespec.model import cpu_attention
 from eaglespec.model.layers import attend_math
 
 SHAPES = [(1, 100, 1), (1, 300, 1), (1, 1000, 1), (64, 301, 1), (1, 300, 5), (8, 300, 5)]
@@ -46,8 +47,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     H, Hkv = (int(x) for x in args.heads.split(","))
     print(f"threads {args.threads}, heads {H}/{Hkv}, head dim {args.head_dim}, medians in ms")
-    print("| dtype | rows | keys | queries | SDPA | attend_math |")
-    print("|---|---|---|---|---|---|")
+    kernel = cpu_attention.available() is None
+    print("| dtype | rows | keys | queries | SDPA | attend_math | kernel |")
+    print("|---|---|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
         for B, K, T in SHAPES:
             q = torch.randn(B, H, T, args.head_dim, dtype=dtype)
@@ -56,8 +58,11 @@ def main() -> None:
             mask = torch.ones(B, 1, T, K, dtype=torch.bool)
             sdpa = _ms(_sdpa, (q, k, v, mask), args.repeats)
             math = _ms(attend_math, (q, k, v, mask), args.repeats)
+            own = "-"
+            if kernel:
+                own = f"{_ms(cpu_attention.attend, (q, k, v, mask), args.repeats):.3f}"
             name = str(dtype).removeprefix("torch.")
-            print(f"| {name} | {B} | {K} | {T} | {sdpa:.3f} | {math:.3f} |")
+            print(f"| {name} | {B} | {K} | {T} | {sdpa:.3f} | {math:.3f} | {own} |")
 
 
 if __name__ == "__main__":

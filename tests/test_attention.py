@@ -1,7 +1,9 @@
-"""layers.attend: SDPA for fp32, the spelled-out attend_math for 16-bit inputs on a CPU (SDPA's
-CPU kernel is 10x slower there for few queries; benchmarks/attention_cpu.py), attend_fused in
-compiled forwards (inductor fuses it into loops instead of two bmm calls). All compute the same
-attention: checked against an fp32 reference with masks, GQA and ragged rows."""
+"""layers.attend where eaglespec's CPU kernel does not take the shape (head dim 16 here; the
+kernel's own tests are test_cpu_attention.py): SDPA for fp32, the spelled-out attend_math for
+16-bit inputs on a CPU (SDPA's CPU kernel is 10x slower there for few queries;
+benchmarks/attention_cpu.py), attend_fused in compiled forwards (inductor fuses it into loops
+instead of two bmm calls). All compute the same attention: checked against an fp32 reference
+with masks, GQA and ragged rows."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from eaglespec.model import cpu_attention
 from eaglespec.model.layers import attend, attend_fused, attend_math
 
 
@@ -42,6 +45,7 @@ def test_attend_matches_the_reference(dtype: torch.dtype) -> None:
 
 def test_16_bit_cpu_attention_is_attend_math() -> None:
     q, k, v, mask = _inputs(torch.bfloat16)
+    assert not cpu_attention.fits(q, k)
     assert torch.equal(attend(q, k, v, mask, causal=False), attend_math(q, k, v, mask))
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from eaglespec.cache import CachePlan, write_entries
 from eaglespec.config import RopeScaling
+from eaglespec.model import cpu_attention
 
 
 class RMSNorm(nn.Module):
@@ -102,17 +103,22 @@ def attend(
     """q (B, H, T, D); k, v (B, Hkv, K, D); mask (B, 1, T, K) bool (True = attend) or None.
 
     `causal` is only valid when K == T (no cached prefix). GQA runs without repeating K/V.
-    Attention onto a cache takes one of three forms:
-    - compiled (`attend_fused`): products and sums that inductor fuses into loops of its own.
-      The matmul form compiles to two extern bmm calls per layer, which cost SmolLM2's bf16
-      w4a8 chain-2 round 3.75 ms of ~16 ms (2 threads). The fused form measured 18-34% faster
-      plain decode and 8-45% faster chain-2 decode, end to end (BENCHMARKS.md, sessions
+    Attention onto a cache takes one of four forms:
+    - on an AVX-512 CPU, fp32 or bf16, up to 64 queries, eager or compiled: eaglespec's kernel
+      (`cpu_attention`), row-independent (a verified token's row gets the bits of a one-token
+      step) and faster than the forms below (BENCHMARKS.md, session 14).
+    - compiled elsewhere (`attend_fused`): products and sums that inductor fuses into loops of
+      its own. The matmul form compiles to two extern bmm calls per layer, which cost SmolLM2's
+      bf16 w4a8 chain-2 round 3.75 ms of ~16 ms (2 threads). The fused form measured 18-34%
+      faster plain decode and 8-45% faster chain-2 decode, end to end (BENCHMARKS.md, sessions
       11-12); each extra query token costs more than with matmuls (the verify-cost curve).
     - eager 16-bit on a CPU (`attend_math`): SDPA's kernel is slow for few queries. One query
       per row over 301 keys, 64 rows, bf16, one thread: SDPA 30.1 ms, `attend_math` 2.8 ms
       (fp32: 3.9 vs 5.8 ms, so fp32 keeps SDPA); benchmarks/attention_cpu.py measures it.
     - otherwise SDPA.
     """
+    if not causal and cpu_attention.fits(q, k):
+        return cpu_attention.attend(q, k, v, mask)
     if not causal and torch.compiler.is_compiling():
         return attend_fused(q, k, v, mask)
     if not causal and q.device.type == "cpu" and q.dtype != torch.float32:

@@ -46,42 +46,25 @@ with that reason.
 from __future__ import annotations
 
 import functools
-import hashlib
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from eaglespec.errors import InvalidRequestError
+from eaglespec.model.extension import build
 from eaglespec.model.quant import INT4_GROUP, _check_cpu, _QuantLinear, int4_codes
 
 GROUP = INT4_GROUP  # int4's groups: the codes are int4_codes'
 WINDOW = 16  # groups per window: one int32 lane per group in a 512-bit register
 ROWS = 4  # output rows per weight block
-SOURCE = Path(__file__).parent / "csrc" / "w4a8.cpp"
-# -fopenmp: at::parallel_for is a header template whose `omp parallel` compiles into this
-# library; without the flag it runs on one thread. The OpenMP runtime it links is the one
-# torch has already loaded (same soname), so there is one thread pool.
-CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
 @functools.cache
 def _load() -> str | None:
     """Build and load the kernel once per process; None if it runs here, else why not."""
-    try:
-        from torch.utils import cpp_extension
-
-        digest = hashlib.sha256(SOURCE.read_bytes() + repr(CFLAGS).encode()).hexdigest()[:12]
-        cpp_extension.load(
-            name=f"eaglespec_w4a8_{digest}",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, a failed build: say which
-        return f"the w4a8 kernel did not build ({type(e).__name__}: {str(e)[:300]})"
+    reason = build("w4a8")
+    if reason is not None:
+        return reason
     if not torch.ops.eaglespec_w4a8.supported():
         return "the w4a8 kernel needs a CPU with AVX-512 VNNI"
 

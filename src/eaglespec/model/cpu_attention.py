@@ -1,0 +1,98 @@
+"""Attention of a few query tokens onto a KV cache on CPU: eaglespec's own kernel
+(csrc/attention.cpp), used by decode steps and verification forwards, eager and compiled.
+
+Dims: B batch, H / Hkv query and KV heads, G = H / Hkv, T query tokens, K keys, D head dim.
+
+Why a kernel: inductor's fused form of this attention (`layers.attend_fused`) computed every
+score as a horizontal sum and swept the keys three times (max, exp-sum, values); in SmolLM2's
+bf16 w4a8 decode on 2 cores it took about 70 us a layer at T = 1 and 130 us at T = 2 over 150
+keys, a third of a decode step and most of what a second verified token cost beyond the matmuls
+(block-compiled profile, BENCHMARKS.md session 14). This kernel walks each query row's keys
+once for the scores (AVX-512, fp32 sums) and once for the values.
+
+Row independence: each query row (b, h, t) is computed alone through the same instructions
+whatever T, B and the thread split are, so a verification over T tokens gives each row the
+bits a one-token step over the same keys gives it (tests/test_cpu_attention.py). Other paths
+(SDPA, inductor's fusion) sum in orders that depend on T.
+
+Numerics: scores, softmax and the weighted sum in fp32 (exp by a Cephes polynomial, within 2 ulp
+of expf); the output is rounded once to q's dtype. `reference` is the same math in torch.
+Needs AVX-512 (F, BW, VL); `available()` says why not where it cannot run, and `attend` then
+falls back to PyTorch's attention.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from eaglespec.model.extension import build
+
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (csrc/attention.cpp)
+MAX_QUERIES = 64  # T up to this: decode steps, verification, draft steps (prefills use SDPA)
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build and load the kernel once per process; None if it runs here, else why not."""
+    reason = build("attention")
+    if reason is not None:
+        return reason
+    if not torch.ops.eaglespec_attention.supported():
+        return "the attention kernel needs a CPU with AVX-512"
+
+    @torch.library.register_fake("eaglespec_attention::attend")  # type: ignore[untyped-decorator]
+    def _(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        B, H, T, D = q.shape
+        return q.new_empty(B, T, H, D).permute(0, 2, 1, 3)  # as the kernel returns it
+
+    return None
+
+
+# Traced forwards ask too: a constant to dynamo, not a function to trace into.
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def available() -> str | None:
+    """None when the kernel runs on this machine, else the reason it does not."""
+    return _load()
+
+
+def fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel takes this attention: CPU, fp32 or bf16, a head dim it was built for,
+    at most MAX_QUERIES query tokens."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == q.dtype
+        and q.shape[-1] in HEAD_DIMS
+        and q.shape[2] <= MAX_QUERIES
+        and available() is None
+    )
+
+
+def attend(
+    q: torch.Tensor,  # (B, H, T, D)
+    k: torch.Tensor,  # (B, Hkv, K, D)
+    v: torch.Tensor,  # (B, Hkv, K, D)
+    mask: torch.Tensor | None,  # (B, 1, T, K) bool, True = attend; None = every key
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), masked) v -> (B, H, T, D) in q's dtype (a view of a (B, T, H, D)
+    contiguous tensor). Call only where `fits`."""
+    out: torch.Tensor = torch.ops.eaglespec_attention.attend(q, k, v, mask, q.shape[-1] ** -0.5)
+    return out
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The kernel's math in plain torch, fp32 throughout, output in q's dtype (for tests)."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    kf = k.float().repeat_interleave(H // Hkv, dim=1)  # (B, H, K, D)
+    vf = v.float().repeat_interleave(H // Hkv, dim=1)
+    scores = (q.float() @ kf.transpose(2, 3)) * D**-0.5  # (B, H, T, K)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vf).to(q.dtype)

@@ -1,0 +1,203 @@
+// Attention of a few query tokens onto a KV cache, on x86 CPUs with AVX-512: the decode and
+// verification attention of eaglespec (eaglespec/model/cpu_attention.py has the why and the
+// measurements).
+//
+// out[b, h, t] = sum_j p[j] v[b, h / G, j] / sum_j p[j],   p[j] = exp(s[j] - max_j s[j]),
+// s[j] = (q[b, h, t] . k[b, h / G, j]) * scale where mask[b, t, j] (all j without a mask),
+// G = H / Hkv query heads per KV head. Scores, softmax and sums in fp32; q, k, v, out fp32 or bf16.
+//
+// Every query row (b, h, t) is computed alone, by one thread, through the same instructions
+// whatever T, B and the split among threads are, so a row of a T-token verification is bitwise
+// the same row computed in a one-token step over the same keys.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTaskKeys = 512;  // (query row, key) pairs a task takes at least
+
+#define ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+// 16 values from fp32 or bf16 memory -> fp32 lanes.
+ATTN_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+ATTN_TARGET inline __m512 load16(const at::BFloat16* p) {
+  __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+// exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial in r,
+// times 2^n); lanes below -87 (where expf underflows) and -inf give exactly 0.
+ATTN_TARGET inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+}
+
+struct Strides {  // element strides of a (B, heads, rows, D) tensor; the last one is 1
+  int64_t b, h, r;
+};
+
+Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// One query row over K keys: C = D / 16 chunks of 16 lanes. `mask` is the row's mask (stride
+// `mstride` per key) or null; `scores` holds at least K + 16 floats.
+template <typename T, int C>
+ATTN_TARGET void attend_row(const T* q, const T* k, int64_t k_stride, const T* v,
+                            int64_t v_stride, const bool* mask, int64_t mstride, int64_t K,
+                            float scale, float* scores, T* out) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float top = neg_inf;
+  for (int64_t j = 0; j < K; ++j) {
+    if (mask != nullptr && !mask[j * mstride]) {
+      scores[j] = neg_inf;
+      continue;
+    }
+    const T* kj = k + j * k_stride;
+    __m512 acc = _mm512_mul_ps(qv[0], load16(kj));
+    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], load16(kj + 16 * c), acc);
+    const float s = _mm512_reduce_add_ps(acc) * scale;
+    scores[j] = s;
+    top = std::max(top, s);
+  }
+  if (top == neg_inf) {  // every key masked: a zero row (never reached by the engine's masks)
+    for (int64_t d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(0.0f);
+    return;
+  }
+  const __m512 top_v = _mm512_set1_ps(top);
+  __m512 total_v = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K; j += 16) {
+    const __mmask16 lanes = K - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - j)) - 1);
+    const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), lanes, scores + j);
+    const __m512 p = exp_nonpositive(_mm512_sub_ps(s, top_v));
+    _mm512_mask_storeu_ps(scores + j, lanes, p);
+    total_v = _mm512_add_ps(total_v, p);
+  }
+  const float inv_total = 1.0f / _mm512_reduce_add_ps(total_v);
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K; ++j) {
+    if (scores[j] == 0.0f) continue;  // masked (or underflowed): adds nothing
+    const __m512 p = _mm512_set1_ps(scores[j]);
+    const T* vj = v + j * v_stride;
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vj + 16 * c), acc[c]);
+  }
+  alignas(64) float row[16 * C];
+  for (int c = 0; c < C; ++c)
+    _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_total)));
+  for (int d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(row[d]);  // bf16: round to nearest
+}
+
+template <typename T, int C>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const c10::optional<at::Tensor>& mask, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), Hkv = k.size(1), K = k.size(2);
+  const int64_t G = H / Hkv;
+  const Strides qs = strides_of(q), ks = strides_of(k), vs = strides_of(v);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();  // (B, T, H, D) contiguous
+  const bool* mp = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  int64_t mb = 0, mt = 0, mj = 0;
+  if (mp != nullptr) mb = mask->stride(0), mt = mask->stride(2), mj = mask->stride(3);
+  const int64_t rows = B * H * T_;
+  const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(K + 16);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / (H * T_), h = (r / T_) % H, t = r % T_, g = h / G;
+      attend_row<T, C>(qp + b * qs.b + h * qs.h + t * qs.r, kp + b * ks.b + g * ks.h, ks.r,
+                       vp + b * vs.b + g * vs.h, vs.r, mp == nullptr ? nullptr : mp + b * mb + t * mt,
+                       mj, K, static_cast<float>(scale), scores.data(),
+                       op + ((b * T_ + t) * H + h) * 16 * C);
+    }
+  });
+}
+
+template <typename T>
+void dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const c10::optional<at::Tensor>& mask, double scale, at::Tensor& out) {
+  switch (q.size(3) / 16) {
+    case 2: return run<T, 2>(q, k, v, mask, scale, out);
+    case 4: return run<T, 4>(q, k, v, mask, scale, out);
+    case 5: return run<T, 5>(q, k, v, mask, scale, out);
+    case 6: return run<T, 6>(q, k, v, mask, scale, out);
+    case 8: return run<T, 8>(q, k, v, mask, scale, out);
+    case 16: return run<T, 16>(q, k, v, mask, scale, out);
+    default: TORCH_CHECK(false, "eaglespec attention: head dim ", q.size(3), " not supported");
+  }
+}
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+}  // namespace
+
+// q (B, H, T, D); k, v (B, Hkv, K, D); mask (B, 1, T, K) bool or None -> (B, H, T, D), a view
+// of a (B, T, H, D) contiguous tensor (what the caller's transpose and reshape want).
+at::Tensor attention_attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, "q, k, v must be 4-D");
+  TORCH_CHECK(q_in.scalar_type() == k_in.scalar_type() && k_in.scalar_type() == v_in.scalar_type(),
+              "q, k, v must share a dtype");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
+              "eaglespec attention takes fp32 or bf16");
+  const int64_t B = q_in.size(0), H = q_in.size(1), T_ = q_in.size(2), D = q_in.size(3);
+  TORCH_CHECK(k_in.size(0) == B && v_in.sizes() == k_in.sizes() && k_in.size(3) == D,
+              "k, v must be (B, Hkv, K, D) like q's B and D");
+  TORCH_CHECK(H % k_in.size(1) == 0, "query heads must be a multiple of KV heads");
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(0) == B &&
+                    mask->size(2) == T_ && mask->size(3) == k_in.size(2),
+                "mask must be (B, 1, T, K) bool");
+  }
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+                   v = last_dim_contiguous(v_in);
+  at::Tensor out = at::empty({B, T_, H, D}, q.options());
+  if (q.scalar_type() == at::kBFloat16)
+    dispatch<at::BFloat16>(q, k, v, mask, scale, out);
+  else
+    dispatch<float>(q, k, v, mask, scale, out);
+  return out.permute({0, 2, 1, 3});
+}
+
+bool attention_supported() { return cpu_supported(); }
+
+TORCH_LIBRARY(eaglespec_attention, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("supported() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(eaglespec_attention, CPU, m) { m.impl("attend", &attention_attend); }
+
+TORCH_LIBRARY_IMPL(eaglespec_attention, CompositeExplicitAutograd, m) {
+  m.impl("supported", &attention_supported);
+}

@@ -1,0 +1,38 @@
+"""Build and load eaglespec's own C++ CPU kernels (csrc/) on first use.
+
+Each kernel is compiled for the machine at hand with torch.utils.cpp_extension (ninja and a C++
+compiler; seconds, cached under torch's extension directory, keyed by the source's digest) and
+registers its ops with torch.library. A kernel that cannot build or run here is reported, not
+raised: callers fall back to PyTorch's own ops or refuse with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+# -fopenmp: at::parallel_for is a header template whose `omp parallel` compiles into the
+# library; without the flag it runs on one thread. The OpenMP runtime it links is the one torch
+# has already loaded (same soname), so there is one thread pool.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+
+
+def build(name: str) -> str | None:
+    """Compile and load csrc/{name}.cpp; None on success, else why it did not build."""
+    source = CSRC / f"{name}.cpp"
+    try:
+        from torch.utils import cpp_extension
+
+        digest = hashlib.sha256(source.read_bytes() + repr(CFLAGS).encode()).hexdigest()[:12]
+        cpp_extension.load(
+            name=f"eaglespec_{name}_{digest}",
+            sources=[str(source)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a failed build: say which
+        return f"the {name} kernel did not build ({type(e).__name__}: {str(e)[:300]})"
+    return None

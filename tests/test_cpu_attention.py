@@ -1,0 +1,134 @@
+"""cpu_attention: eaglespec's attention kernel for few queries onto a cache (csrc/attention.cpp).
+
+Checked against the same math in fp32 torch (masks, GQA, ragged masks, strided views of a cache,
+every head dim it is built for), for row independence (a T-token call is bitwise T one-token
+calls, a batch bitwise its rows alone, any thread count the same bits), and for where
+`layers.attend` sends attention: to the kernel eagerly and under torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglespec.model import cpu_attention
+from eaglespec.model.layers import attend
+
+pytestmark = pytest.mark.skipif(
+    cpu_attention.available() is not None, reason=str(cpu_attention.available())
+)
+
+
+def _inputs(
+    dtype: torch.dtype, B: int = 2, H: int = 9, Hkv: int = 3, T: int = 3, K: int = 37, D: int = 64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q as the model passes it (a transposed view), k and v as slices of a longer cache."""
+    gen = torch.Generator().manual_seed(B * 1000 + T * 100 + K + D)
+    q = torch.randn(B, T, H, D, generator=gen).to(dtype).transpose(1, 2)  # (B, H, T, D)
+    cache = torch.randn(2, B, Hkv, K + 7, D, generator=gen).to(dtype)
+    k, v = cache[0, :, :, :K], cache[1, :, :, :K]  # (B, Hkv, K, D) strided
+    mask = torch.rand(B, 1, T, K, generator=gen) > 0.3
+    mask[..., 0] = True  # every query sees at least one key, as in the engine
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", cpu_attention.HEAD_DIMS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_kernel_matches_the_reference(dtype: torch.dtype, D: int, masked: bool) -> None:
+    q, k, v, mask = _inputs(dtype, D=D)
+    m = mask if masked else None
+    out = cpu_attention.attend(q, k, v, m)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = cpu_attention.reference(q, k, v, m)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+    else:  # one rounding to bf16 of nearly the same fp32 value: at most one bf16 step apart
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_large_scores_and_one_key() -> None:
+    """Scores far apart (exp underflows for most keys) and a single key (softmax of one)."""
+    q, k, v, mask = _inputs(torch.float32, T=2, K=50)
+    q = q * 40
+    torch.testing.assert_close(
+        cpu_attention.attend(q, k, v, mask),
+        cpu_attention.reference(q, k, v, mask),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    q1, k1, v1, _ = _inputs(torch.float32, T=1, K=1)
+    expected = v1.repeat_interleave(3, dim=1)  # every query head reads its KV head's one value
+    assert torch.equal(cpu_attention.attend(q1, k1, v1, None), expected)
+
+
+def test_a_fully_masked_row_is_zero() -> None:
+    q, k, v, mask = _inputs(torch.float32, B=1, T=2)
+    mask[0, 0, 1] = False
+    out = cpu_attention.attend(q, k, v, mask)
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    torch.testing.assert_close(out[:, :, 0], cpu_attention.reference(q, k, v, mask)[:, :, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_independent(dtype: torch.dtype) -> None:
+    """Each query token and each batch row alone gives the bits it gets among the others."""
+    q, k, v, mask = _inputs(dtype, B=3, T=5, K=120)
+    out = cpu_attention.attend(q, k, v, mask)
+    for t in range(5):
+        alone = cpu_attention.attend(q[:, :, t : t + 1], k, v, mask[:, :, t : t + 1])
+        assert torch.equal(alone, out[:, :, t : t + 1])
+    for b in range(3):
+        row = cpu_attention.attend(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b : b + 1])
+        assert torch.equal(row, out[b : b + 1])
+
+
+def test_thread_count_does_not_change_the_bits() -> None:
+    q, k, v, mask = _inputs(torch.bfloat16, B=2, T=4, K=300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.attend(q, k, v, mask)
+        torch.set_num_threads(max(2, threads))
+        many = cpu_attention.attend(q, k, v, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_output_is_laid_out_for_the_callers_reshape() -> None:
+    """(B, H, T, D) viewed over a (B, T, H, D) buffer: cached_attention's transpose and reshape
+    to (B, T, H * D) then copy nothing."""
+    q, k, v, mask = _inputs(torch.float32)
+    out = cpu_attention.attend(q, k, v, mask)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_takes_the_kernel_eagerly_and_compiled(dtype: torch.dtype) -> None:
+    q, k, v, mask = _inputs(dtype)
+    kernel = cpu_attention.attend(q, k, v, mask)
+    assert torch.equal(attend(q, k, v, mask, causal=False), kernel)
+    compiled = torch.compile(lambda *a: attend(*a, causal=False), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v, mask), kernel)
+
+
+def test_attend_keeps_other_shapes_off_the_kernel() -> None:
+    """Head dims it was not built for, fp16, and more queries than MAX_QUERIES take PyTorch's
+    attention; so does causal attention without a cache (prefills)."""
+    q, k, v, _ = _inputs(torch.float32, D=64)
+    assert cpu_attention.fits(q, k)
+    q16, k16, _, _ = _inputs(torch.float32, D=16)
+    assert not cpu_attention.fits(q16, k16)
+    assert not cpu_attention.fits(q.half(), k.half())
+    qlong, klong, _, _ = _inputs(torch.float32, T=cpu_attention.MAX_QUERIES + 1)
+    assert not cpu_attention.fits(qlong, klong)
+
+
+def test_bad_arguments_raise() -> None:
+    q, k, v, mask = _inputs(torch.float32)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_attention.attend(q, k.bfloat16(), v, mask)
+    with pytest.raises(RuntimeError, match=r"mask must be \(B, 1, T, K\) bool"):
+        cpu_attention.attend(q, k, v, mask[..., :-1])
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        cpu_attention.attend(q[:, :8], k, v, mask)
