@@ -21,7 +21,7 @@ from eaglespec.calibration import (
     save_calibration,
 )
 from eaglespec.chat import chat_loop, lines_of
-from eaglespec.cli import main, warm_up
+from eaglespec.cli import main
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft import random_eagle3, save_eagle3
 from eaglespec.draft.config import default_capture
@@ -179,12 +179,12 @@ def test_generate_compares_with_plain_decoding(
 
 
 def test_compare_warm_up_leaves_the_adaptive_policy_alone(tiny_hf_folder: Path) -> None:
-    """generate --compare's warm-up rounds are cold (first-call setup): they draft with the
-    configured shape and never enter the policy's averages."""
+    """LLM.warm_up's rounds (generate --compare, --compile) are cold (first-call setup): they
+    draft with fixed shapes and never enter the policy's averages."""
     llm = _tiny_llm(tiny_hf_folder)
     assert isinstance(llm.policy, AdaptiveDraft)
     before = json.dumps(llm.policy.state(), sort_keys=True)
-    warm_up(llm, llm.encode("Once upon a time"), SamplingParams(max_tokens=8))
+    llm.warm_up("Once upon a time", batch_sizes=(1, 2))
     assert json.dumps(llm.policy.state(), sort_keys=True) == before
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=8))
     assert json.dumps(llm.policy.state(), sort_keys=True) != before  # real runs do enter

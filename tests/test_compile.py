@@ -10,19 +10,22 @@ on-disk cache answers."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
-from eaglespec.config import SamplingParams
+from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
+from eaglespec.llm import LLM
 from eaglespec.model import w4a8
 from eaglespec.model.llama import Transformer
 from eaglespec.model.quant import quantize_model
+from eaglespec.policy import DraftChoice, FixedDraft
 from eaglespec.requests import collect_outputs
 from helpers import NullTokenizer, tiny_target
 from oracle import OracleProposer
@@ -241,3 +244,30 @@ def test_each_compiled_model_keeps_its_own_graphs(eager: Transformer) -> None:
             cache.advance([3])
             got = model(torch.tensor([[7]]), torch.tensor([[3]]), cache).logits
             torch.testing.assert_close(got, want[name], atol=1e-4, rtol=1e-4)
+
+
+def test_warm_up_compiles_every_step_shape_the_policy_runs(tiny_hf_folder: Path) -> None:
+    """After LLM.warm_up at batch sizes 1 and 2, generations of every arm of the adaptive policy
+    (plain steps, one-token steps with capture, chains, the tree) at batch sizes 1-3 compile
+    nothing more: a compiled user pays for compiling before the first request, not in it."""
+    tree = TreeConfig(depth=2, top_k=2, num_nodes=3)
+    llm = LLM(
+        str(tiny_hf_folder),
+        progress=False,
+        method="eagle3",
+        draft="random",
+        num_draft=2,
+        tree=tree,
+        compile="full",
+        speculation="adaptive",
+    )
+    llm.warm_up("Once upon a time", batch_sizes=(1, 2))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = ["Once upon a time", "The cat", "A"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for b in (1, 2, 3):
+            llm.generate(prompts[:b], params, policy=None)
+            for shape in (DraftChoice(0), DraftChoice(1), DraftChoice(2), DraftChoice(2, tree)):
+                llm.generate(prompts[:b], params, policy=FixedDraft(shape))
+        llm.speculation = "off"
+        llm.generate(prompts, params)

@@ -10,7 +10,7 @@ import pytest
 
 from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
-from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft, make_policy
+from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft, ScriptedDraft, make_policy
 
 
 def _simulate(
@@ -113,3 +113,13 @@ def test_make_policy_modes() -> None:
     assert isinstance(make_policy("on", 3, None, True), FixedDraft)
     with pytest.raises(InvalidRequestError, match="speculation mode"):
         make_policy("sometimes", 3, None, True)
+
+
+def test_scripted_draft_walks_its_shapes_then_keeps_the_last() -> None:
+    tree = TreeConfig(depth=2, top_k=2, num_nodes=3)
+    shapes = [DraftChoice(0), DraftChoice(2), DraftChoice(3, tree)]
+    policy = ScriptedDraft(shapes)
+    picked = [policy.choose(1) for _ in range(5)]
+    assert picked == [*shapes, shapes[-1], shapes[-1]]
+    with pytest.raises(ValueError, match="at least one shape"):
+        ScriptedDraft([])

@@ -49,6 +49,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if llm.draft_report:
         say(f"[{llm.method}: {llm.draft_report}]")
     calibration = CalibrationStore.open(llm, say)
+    if llm.compile != "none":
+        say("[compiling the decode steps: a short warm-up generation]")
+        llm.warm_up("Hello")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

@@ -9,7 +9,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from eaglespec.bench.command import add_bench_parser, cmd_bench
@@ -19,7 +18,6 @@ from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
 from eaglespec.config import SamplingParams
 from eaglespec.errors import EaglespecError
 from eaglespec.generate import generate_stream
-from eaglespec.policy import DraftChoice, FixedDraft
 from eaglespec.registry import MODELS, list_models, pull
 from eaglespec.requests import RequestOutput, collect_outputs
 from eaglespec.serve.command import add_serve_parser, cmd_serve
@@ -105,8 +103,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = llm.encode(prompt, chat=not args.raw, system=args.system)
     speculating = llm.proposer is not None and llm.speculation != "off"
     compare = speculating and (not args.json if args.compare is None else args.compare)
-    if compare:
-        warm_up(llm, ids, params)
+    if compare or llm.compile != "none":  # first-call costs (compiling) before anything is timed
+        llm.warm_up(ids)
     output = None
     for event in llm.stream([ids], params):
         if not args.json:
@@ -152,15 +150,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"speculative speedup {comparison['speedup']:.2f}x{same}]"
         )
     return 0
-
-
-def warm_up(llm: LLM, ids: list[int], params: SamplingParams) -> None:
-    """Both paths once over 2 tokens, so neither timing pays for first-call setup. The drafting
-    run uses the configured shape, not the adaptive policy: a cold round must not enter the
-    policy's averages (and the policy might not draft at all, leaving drafting cold)."""
-    short = replace(params, max_tokens=2)
-    llm.generate([ids], short, policy=FixedDraft(DraftChoice(llm.num_draft, llm.tree)))
-    plain_run(llm, ids, short)
 
 
 def plain_run(llm: LLM, ids: list[int], params: SamplingParams) -> RequestOutput:

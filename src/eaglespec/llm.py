@@ -14,7 +14,7 @@ from eaglespec.generate import generate_stream
 from eaglespec.methods import compile_proposer, make_proposer
 from eaglespec.model.llama import Transformer, check_compile_mode
 from eaglespec.model.loader import LoadedModel, load_model
-from eaglespec.policy import DraftPolicy, make_policy
+from eaglespec.policy import DraftChoice, DraftPolicy, ScriptedDraft, make_policy
 from eaglespec.registry import DEFAULT_MODEL, resolve_model
 from eaglespec.requests import RequestOutput, StreamEvent, collect_outputs
 from eaglespec.tokenizer import Tokenizer
@@ -145,6 +145,34 @@ class LLM:
     ) -> RequestOutput:
         ids = self.tokenizer.encode_chat(list(messages))
         return self.generate([ids], params)[0]
+
+    def warm_up(self, prompt: Prompt, batch_sizes: Sequence[int] = (1,)) -> None:
+        """Decode `prompt` in every step shape this LLM runs, at each batch size, so first-call
+        costs (compiling, under --compile: minutes for "full" the first time) are paid now, not
+        mid-generation: plain decoding steps, then one speculative generation that walks one-token
+        steps with capture (the adaptive policy's plain arm), the draft head's multi-token
+        catch-up they leave pending, a chain of `num_draft` (every verification of T > 1 tokens
+        shares its graph) and the tree if one is configured. Batch size 1 and larger batches
+        compile separately, and larger batches once with rows of one length and once ragged
+        (masked one-token steps). The drafting runs script their shapes: the LLM's policy neither
+        chooses nor learns from them. A draft that accepts many tokens can end the short run
+        before the last shapes: best effort, not a guarantee."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        chain = DraftChoice(max(1, self.num_draft))
+        shapes = [DraftChoice(0), DraftChoice(0), chain]
+        if self.tree is not None:
+            shapes += [DraftChoice(0), DraftChoice(self.num_draft, self.tree), chain]
+        batches = []
+        for b in batch_sizes:
+            batches.append([ids] * b)  # rows of one length: no attention mask in one-token steps
+            if b > 1:  # ragged rows: masked one-token steps, another graph
+                batches.append([ids[: max(1, len(ids) - row)] for row in range(b)])
+        for rows in batches:
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            collect_outputs(generate_stream(self.model, self.tokenizer, rows, [params] * len(rows)))
+            if self.proposer is not None:
+                params = SamplingParams(max_tokens=len(shapes) + 1, ignore_eos=True)
+                self.generate(rows, params, policy=ScriptedDraft(shapes))
 
     def _requests(
         self,

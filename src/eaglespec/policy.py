@@ -62,6 +62,27 @@ class FixedDraft:
         pass
 
 
+class ScriptedDraft:
+    """The given shapes in order, one a round, then the last one for every later round
+    (`LLM.warm_up` walks the step shapes with it)."""
+
+    def __init__(self, choices: Sequence[DraftChoice]) -> None:
+        if not choices:
+            raise ValueError("ScriptedDraft needs at least one shape")
+        self.choices = list(choices)
+        self.rounds = 0
+
+    def choose(self, batch: int) -> DraftChoice:
+        choice = self.choices[min(self.rounds, len(self.choices) - 1)]
+        self.rounds += 1
+        return choice
+
+    def observe(
+        self, batch: int, choice: DraftChoice, seconds: float, accepted: Sequence[int]
+    ) -> None:
+        pass
+
+
 @dataclass
 class _Arm:
     seconds: dict[int, float] = field(default_factory=dict)  # batch bucket -> EMA round seconds

@@ -179,7 +179,9 @@ class Eagle3Proposer:
         parents = [torch.full((B, K), -1, device=dev)]  # global candidate ids; -1 = the root
         fed = torch.arange(K, device=dev).expand(B, K)  # global ids of the nodes fed next
         fed_tokens = tokens[0]  # (B, K)
-        hidden = state.prenorm[:, None].expand(B, K, -1)  # (B, K, C)
+        # (B, K, C), copied: an expanded view's zero stride would give the compiled head a graph
+        # of its own, apart from the catch-ups' (same T, contiguous)
+        hidden = state.prenorm[:, None].expand(B, K, -1).contiguous()
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         start = torch.tensor(committed, device=dev)[:, None]  # (B, 1)

@@ -64,6 +64,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk or None,
     )
     calibration = CalibrationStore.open(llm, lambda line: print(line, file=sys.stderr))
+    if llm.compile != "none":  # compile before serving: one batch of one and one of two
+        print("[compiling the decode steps: warm-up generations]", file=sys.stderr)
+        llm.warm_up("Hello", batch_sizes=(1, 2))
     app = create_app(llm, options)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
