@@ -1,11 +1,32 @@
-"""Small shared test helpers: a tokenizer stand-in and tiny seeded random targets."""
+"""Small shared test helpers: a tokenizer stand-in, tiny seeded random targets, and an LLM over
+the tiny Hugging Face folder with a random EAGLE-3 head."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from eaglespec.config import ModelConfig
+from eaglespec.config import ModelConfig, TreeConfig
+from eaglespec.llm import LLM
 from eaglespec.model.llama import Transformer
+
+TINY_TREE = TreeConfig(depth=2, top_k=2, num_nodes=3)
+
+
+def tiny_adaptive_llm(folder: Path, compile: str = "none") -> LLM:
+    """The tiny folder's model (`tiny_hf_folder`) drafting with a seeded random EAGLE-3 head:
+    chains of up to 2 and TINY_TREE, chosen by the adaptive policy."""
+    return LLM(
+        str(folder),
+        progress=False,
+        method="eagle3",
+        draft="random",
+        num_draft=2,
+        tree=TINY_TREE,
+        compile=compile,
+        speculation="adaptive",
+    )
 
 
 class NullTokenizer:

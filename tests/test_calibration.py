@@ -22,7 +22,7 @@ from eaglespec.calibration import (
 )
 from eaglespec.chat import chat_loop, lines_of
 from eaglespec.cli import main
-from eaglespec.config import SamplingParams, TreeConfig
+from eaglespec.config import SamplingParams
 from eaglespec.draft import random_eagle3, save_eagle3
 from eaglespec.draft.config import default_capture
 from eaglespec.engine import generate_speculative
@@ -30,30 +30,18 @@ from eaglespec.generate import generate_stream
 from eaglespec.llm import LLM
 from eaglespec.policy import AdaptiveDraft, DraftChoice
 from eaglespec.requests import collect_outputs
-from helpers import NullTokenizer, tiny_target
+from helpers import TINY_TREE, NullTokenizer, tiny_adaptive_llm, tiny_target
 from oracle import OracleProposer
 
-TREE = TreeConfig(depth=2, top_k=2, num_nodes=3)
+TREE = TINY_TREE
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _tiny_llm(folder: Path) -> LLM:
-    return LLM(
-        str(folder),
-        progress=False,
-        method="eagle3",
-        draft="random",
-        num_draft=2,
-        tree=TREE,
-        speculation="adaptive",
-    )
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_hf_folder: Path) -> LLM:
-    return _tiny_llm(tiny_hf_folder)
+    return tiny_adaptive_llm(tiny_hf_folder)
 
 
 def _taught(policy: AdaptiveDraft) -> AdaptiveDraft:
@@ -119,7 +107,7 @@ def test_calibrate_stores_what_generate_starts_from(llm: LLM, tiny_hf_folder: Pa
     path = save_calibration(key, policy, "calibrate")
     assert path.is_file() and json.loads(path.read_text())["key"]["draft"] == "random"
 
-    again = _tiny_llm(tiny_hf_folder)
+    again = tiny_adaptive_llm(tiny_hf_folder)
     assert calibration_key(again) == key
     lines: list[str] = []
     store = CalibrationStore.open(again, lines.append)
@@ -181,7 +169,7 @@ def test_generate_compares_with_plain_decoding(
 def test_compare_warm_up_leaves_the_adaptive_policy_alone(tiny_hf_folder: Path) -> None:
     """LLM.warm_up's rounds (generate --compare, --compile) are cold (first-call setup): they
     draft with fixed shapes and never enter the policy's averages."""
-    llm = _tiny_llm(tiny_hf_folder)
+    llm = tiny_adaptive_llm(tiny_hf_folder)
     assert isinstance(llm.policy, AdaptiveDraft)
     before = json.dumps(llm.policy.state(), sort_keys=True)
     llm.warm_up("Once upon a time", batch_sizes=(1, 2))

@@ -15,19 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglespec.config import SamplingParams, TreeConfig
+from eaglespec.config import SamplingParams
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
-from eaglespec.llm import LLM
 from eaglespec.model import w4a8
 from eaglespec.model.llama import Transformer
 from eaglespec.model.quant import quantize_model
 from eaglespec.policy import DraftChoice, FixedDraft
 from eaglespec.requests import collect_outputs
-from helpers import NullTokenizer, tiny_target
+from helpers import TINY_TREE, NullTokenizer, tiny_adaptive_llm, tiny_target
 from oracle import OracleProposer
 
 V = 96
@@ -250,17 +249,8 @@ def test_warm_up_compiles_every_step_shape_the_policy_runs(tiny_hf_folder: Path)
     """After LLM.warm_up at batch sizes 1 and 2, generations of every arm of the adaptive policy
     (plain steps, one-token steps with capture, chains, the tree) at batch sizes 1-3 compile
     nothing more: a compiled user pays for compiling before the first request, not in it."""
-    tree = TreeConfig(depth=2, top_k=2, num_nodes=3)
-    llm = LLM(
-        str(tiny_hf_folder),
-        progress=False,
-        method="eagle3",
-        draft="random",
-        num_draft=2,
-        tree=tree,
-        compile="full",
-        speculation="adaptive",
-    )
+    tree = TINY_TREE
+    llm = tiny_adaptive_llm(tiny_hf_folder, compile="full")
     llm.warm_up("Once upon a time", batch_sizes=(1, 2))
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = ["Once upon a time", "The cat", "A"]
