@@ -130,5 +130,7 @@ def test_bad_arguments_raise() -> None:
         cpu_attention.attend(q, k.bfloat16(), v, mask)
     with pytest.raises(RuntimeError, match=r"mask must be \(B, 1, T, K\) bool"):
         cpu_attention.attend(q, k, v, mask[..., :-1])
+    with pytest.raises(RuntimeError, match=r"mask must be \(B, 1, T, K\) bool"):
+        cpu_attention.attend(q, k, v, mask.expand(-1, 9, -1, -1))  # one mask per head
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         cpu_attention.attend(q[:, :8], k, v, mask)

@@ -36,11 +36,9 @@ MAX_QUERIES = 64  # T up to this: decode steps, verification, draft steps (prefi
 @functools.cache
 def _load() -> str | None:
     """Build and load the kernel once per process; None if it runs here, else why not."""
-    reason = build("attention")
+    reason = build("attention", needs="a CPU with AVX-512")
     if reason is not None:
         return reason
-    if not torch.ops.eaglespec_attention.supported():
-        return "the attention kernel needs a CPU with AVX-512"
 
     @torch.library.register_fake("eaglespec_attention::attend")  # type: ignore[untyped-decorator]
     def _(

@@ -18,10 +18,13 @@ CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
-def build(name: str) -> str | None:
-    """Compile and load csrc/{name}.cpp; None on success, else why it did not build."""
+def build(name: str, needs: str) -> str | None:
+    """Compile and load csrc/{name}.cpp, whose torch.library namespace is eaglespec_{name} with
+    a `supported()` op; None when it runs here, else why not (a failed build, or a CPU without
+    `needs`, say "a CPU with AVX-512")."""
     source = CSRC / f"{name}.cpp"
     try:
+        import torch
         from torch.utils import cpp_extension
 
         digest = hashlib.sha256(source.read_bytes() + repr(CFLAGS).encode()).hexdigest()[:12]
@@ -35,4 +38,6 @@ def build(name: str) -> str | None:
         )
     except Exception as e:  # no compiler, no ninja, a failed build: say which
         return f"the {name} kernel did not build ({type(e).__name__}: {str(e)[:300]})"
+    if not getattr(torch.ops, f"eaglespec_{name}").supported():
+        return f"the {name} kernel needs {needs}"
     return None

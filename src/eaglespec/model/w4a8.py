@@ -62,11 +62,9 @@ ROWS = 4  # output rows per weight block
 @functools.cache
 def _load() -> str | None:
     """Build and load the kernel once per process; None if it runs here, else why not."""
-    reason = build("w4a8")
+    reason = build("w4a8", needs="a CPU with AVX-512 VNNI")
     if reason is not None:
         return reason
-    if not torch.ops.eaglespec_w4a8.supported():
-        return "the w4a8 kernel needs a CPU with AVX-512 VNNI"
 
     @torch.library.register_fake("eaglespec_w4a8::linear")
     def _(x: torch.Tensor, w: torch.Tensor, N: int) -> torch.Tensor:

@@ -176,7 +176,7 @@ at::Tensor attention_attend(const at::Tensor& q_in, const at::Tensor& k_in, cons
   TORCH_CHECK(H % k_in.size(1) == 0, "query heads must be a multiple of KV heads");
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(0) == B &&
-                    mask->size(2) == T_ && mask->size(3) == k_in.size(2),
+                    mask->size(1) == 1 && mask->size(2) == T_ && mask->size(3) == k_in.size(2),
                 "mask must be (B, 1, T, K) bool");
   }
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
