@@ -4,6 +4,7 @@ EAGLE-3 draft step, on this machine.
     python benchmarks/verify_cost.py [--model smollm2-135m] [--dtype float32] [--prefix 128]
                                      [--sizes 1 2 4 8 16 32 64] [--repeats 15]
                                      [--quant none|int8|int4] [--compile none|block|full]
+                                     [--no-attention-kernel]
 
 Speculative decoding pays when verifying T tokens costs little more than decoding one: the
 speedup is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size
@@ -11,6 +12,11 @@ runs the target over T new tokens after a committed prefix, causal among them (a
 engine verifies it: no mask tensor, so T = 1 is exactly a decode step), then forgets them; medians
 over --repeats after a warm-up. Until session 14 every size carried a chain's tree mask, which
 made the one-token row slower than a real decode step and understated what verification adds.
+
+--no-attention-kernel keeps eaglespec's CPU attention kernel (model/cpu_attention.py) out of the
+process, set before anything compiles: run once with and once without, each in its own process,
+to compare it with PyTorch's and inductor's attention (a switch flipped inside one process is
+re-guarded by dynamo and recompiled, so it does not compare anything).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from eaglespec import LLM
 from eaglespec.draft.loader import random_eagle3
+from eaglespec.model import cpu_attention
 
 
 def time_forward(fn, repeats: int) -> float:
@@ -44,7 +51,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quant", default="none")
     ap.add_argument("--compile", default="none")
+    ap.add_argument("--no-attention-kernel", action="store_true")
     args = ap.parse_args()
+    if args.no_attention_kernel:  # before any forward is traced: graphs keep what they saw
+        cpu_attention.fits = lambda q, k: False
 
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, compile=args.compile, progress=False)
     model = llm.model
@@ -57,7 +67,8 @@ def main() -> None:
     draft_cache = head.new_cache(1, args.prefix + max(args.sizes) + 1)
     print(
         f"{args.model} {args.dtype} quant {args.quant} compile {args.compile}, "
-        f"prefix {args.prefix}, threads {torch.get_num_threads()}"
+        f"prefix {args.prefix}, threads {torch.get_num_threads()}, "
+        f"attention kernel {'off' if args.no_attention_kernel else 'on'}"
     )
     with torch.inference_mode():
         out = model(prefix, torch.arange(args.prefix)[None], cache, capture=capture)
