@@ -12,7 +12,10 @@ once for the scores (AVX-512, fp32 sums) and once for the values.
 
 Row independence: each query row (b, h, t) is computed alone through the same instructions
 whatever T, B and the thread split are, so a verification over T tokens gives each row the
-bits a one-token step over the same keys gives it (tests/test_cpu_attention.py). Other paths
+bits a one-token step over the same keys gives it (tests/test_cpu_attention.py). Masked keys do
+not move the sums either (a row's exp-sum runs over its attended keys packed in order): a
+draft-tree node, whose ancestors sit among masked siblings, gets the bits the next one-token
+step gets once the accepted path is moved to the front of the cache. Other paths
 (SDPA, inductor's fusion) sum in orders that depend on T.
 
 Numerics: scores, softmax and the weighted sum in fp32 (exp by a Cephes polynomial, within 2 ulp

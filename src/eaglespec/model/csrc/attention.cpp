@@ -8,7 +8,8 @@
 //
 // Every query row (b, h, t) is computed alone, by one thread, through the same instructions
 // whatever T, B and the split among threads are, so a row of a T-token verification is bitwise
-// the same row computed in a one-token step over the same keys.
+// the same row computed in a one-token step over the same keys. Masked keys change nothing
+// either: a row's sums run over its attended keys in order, so a key's slot does not matter.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,11 +66,11 @@ struct Strides {  // element strides of a (B, heads, rows, D) tensor; the last o
 Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // One query row over K keys: C = D / 16 chunks of 16 lanes. `mask` is the row's mask (stride
-// `mstride` per key) or null; `scores` holds at least K + 16 floats.
+// `mstride` per key) or null; `scores` and `packed` hold at least K + 16 floats each.
 template <typename T, int C>
 ATTN_TARGET void attend_row(const T* q, const T* k, int64_t k_stride, const T* v,
                             int64_t v_stride, const bool* mask, int64_t mstride, int64_t K,
-                            float scale, float* scores, T* out) {
+                            float scale, float* scores, float* packed, T* out) {
   __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -97,7 +98,21 @@ ATTN_TARGET void attend_row(const T* q, const T* k, int64_t k_stride, const T* v
     const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), lanes, scores + j);
     const __m512 p = exp_nonpositive(_mm512_sub_ps(s, top_v));
     _mm512_mask_storeu_ps(scores + j, lanes, p);
-    total_v = _mm512_add_ps(total_v, p);
+    if (mask == nullptr) total_v = _mm512_add_ps(total_v, p);
+  }
+  if (mask != nullptr) {
+    // The sum over the attended keys alone, packed in their order: lane i adds the
+    // attended keys numbered i mod 16 wherever they sit, so a draft-tree node, whose ancestors
+    // sit among masked siblings, sums exactly as a one-token step over the same keys packed at
+    // the front of the cache (which is where the accepted path's entries are moved).
+    int64_t n = 0;
+    for (int64_t j = 0; j < K; ++j)
+      if (mask[j * mstride]) packed[n++] = scores[j];
+    total_v = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+      total_v = _mm512_add_ps(total_v, _mm512_maskz_loadu_ps(lanes, packed + i));
+    }
   }
   const float inv_total = 1.0f / _mm512_reduce_add_ps(total_v);
   __m512 acc[C];
@@ -130,12 +145,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t rows = B * H * T_;
   const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K, 1));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(K + 16);
+    std::vector<float> scores(K + 16), packed(K + 16);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / (H * T_), h = (r / T_) % H, t = r % T_, g = h / G;
       attend_row<T, C>(qp + b * qs.b + h * qs.h + t * qs.r, kp + b * ks.b + g * ks.h, ks.r,
                        vp + b * vs.b + g * vs.h, vs.r, mp == nullptr ? nullptr : mp + b * mb + t * mt,
-                       mj, K, static_cast<float>(scale), scores.data(),
+                       mj, K, static_cast<float>(scale), scores.data(), packed.data(),
                        op + ((b * T_ + t) * H + h) * 16 * C);
     }
   });
