@@ -78,3 +78,37 @@ def test_shipped_head_is_small_lossless_and_accepts(llm: LLM) -> None:
         rounds = sum(o.stats.rounds for o in spec)
         accepted = sum(o.stats.accepted_tokens for o in spec)
         assert (accepted + rounds) / rounds > 1.1  # 1.25 (chain) measured; random ~1.0
+
+
+def test_auto_precision_is_the_ggufs_own_and_lossless() -> None:
+    """What the commands run by default (`--dtype auto --quant auto`): the Q4_1 file as w4a8 in
+    bfloat16 where the kernel runs (else unquantized fp32), and greedy speculation with the
+    shipped head, chain and tree, equal to plain greedy decoding of that same model."""
+    from eaglespec.config import TreeConfig
+    from eaglespec.heads import packaged_head
+    from eaglespec.model import w4a8
+    from eaglespec.policy import DraftChoice, FixedDraft
+
+    head = packaged_head("smollm2-135m")
+    auto = LLM(
+        str(pull("smollm2-135m", progress=False)),
+        dtype="auto",
+        quant="auto",
+        draft=str(head),
+        progress=False,
+        speculation="off",  # generate() decodes plainly unless given a policy
+    )
+    p = auto.loaded.precision
+    if w4a8.available() is None:
+        assert (p.dtype, p.quant) == ("bfloat16", "w4a8") and "Q8_0" in p.reason
+    else:
+        assert (p.dtype, p.quant) == ("float32", "none")
+    assert auto.quant == p.quant and str(auto.model.dtype) == f"torch.{p.dtype}"
+    prompts = [auto.encode(q) for q in PROMPTS]
+    params = SamplingParams(max_tokens=48)
+    plain = [o.token_ids for o in auto.generate(prompts, params)]
+    tree = TreeConfig(depth=4, top_k=4, num_nodes=16)
+    for choice in (DraftChoice(4, None), DraftChoice(0, tree)):
+        spec = auto.generate(prompts, params, policy=FixedDraft(choice))
+        assert [o.token_ids for o in spec] == plain
+        assert sum(o.stats.accepted_tokens for o in spec) > 0

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from eaglespec.calibration import CalibrationStore
-from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
+from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm, precision_line
 from eaglespec.config import SamplingParams
 from eaglespec.errors import InvalidRequestError
 from eaglespec.llm import LLM
@@ -46,6 +46,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if not llm.tokenizer.chat_template:
         raise InvalidRequestError(f"{args.model} has no chat template; use `eaglespec generate`")
+    say(precision_line(llm))
     if llm.draft_report:
         say(f"[{llm.method}: {llm.draft_report}]")
     calibration = CalibrationStore.open(llm, say)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from eaglespec.bench.command import add_bench_parser, cmd_bench
 from eaglespec.calibration import CalibrationStore
 from eaglespec.chat import add_chat_parser, cmd_chat
-from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
+from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm, precision_line
 from eaglespec.config import SamplingParams
 from eaglespec.errors import EaglespecError
 from eaglespec.generate import generate_stream
@@ -97,6 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not args.json:
             print(line, file=sys.stderr)
 
+    say(precision_line(llm))
     if llm.draft_report:
         say(f"[{llm.method}: {llm.draft_report}]")
     calibration = CalibrationStore.open(llm, say)

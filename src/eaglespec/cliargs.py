@@ -12,6 +12,7 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
 from eaglespec.methods import METHODS
 from eaglespec.model.llama import COMPILE_MODES
+from eaglespec.model.precision import AUTO
 from eaglespec.model.quant import QUANT_MODES
 from eaglespec.policy import SPECULATION_MODES
 from eaglespec.registry import DEFAULT_MODEL
@@ -38,13 +39,21 @@ def tree_config(text: str, flag: str) -> TreeConfig:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF folder")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument(
+        "--dtype",
+        default=AUTO,
+        help="auto (default: bfloat16 where --quant auto picks a 4-bit kernel, else float32), "
+        "float32, bfloat16 or float16; float32 or float16 with --quant auto runs unquantized",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--quant",
-        choices=QUANT_MODES,
-        default="none",
-        help="weight-only quantization of the linear layers (CPU only): int8 stores int8 "
+        choices=(AUTO, *QUANT_MODES),
+        default=AUTO,
+        help="weight-only quantization of the linear layers (CPU only). auto (default): a GGUF "
+        "stored at 4 bits runs as w4a8 on a CPU with AVX-512 VNNI (w4a8-all when its output "
+        "head is 4-bit too), as llama.cpp runs it; anything else runs unquantized "
+        "(model/precision.py). int8 stores int8 "
         "weights with per-channel scales; int4 stores 4-bit weights in groups of 32 (the output "
         "head stays int8; int4-all makes it int4 too, faster for large vocabularies such as "
         "Qwen's, less exact for small ones). These use bf16 activations in each matmul (the "
@@ -52,7 +61,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "and back around each matmul, the rest of the model stays fp32. w4a8 / w4a8-all: the "
         "same 4-bit weights times activations quantized to int8 per group of 32, as llama.cpp "
         "does, in eaglespec's own kernel (x86 CPUs with AVX-512 VNNI; built on first use), "
-        "the fastest CPU decode",
+        "the fastest CPU decode; none: the weights as loaded",
     )
     p.add_argument(
         "--compile",
@@ -129,6 +138,13 @@ def load_llm(args: argparse.Namespace, *, progress: bool, default_method: str = 
         capture=int_list(args.capture, "--capture") if args.capture else None,
         speculation=args.speculation,
     )
+
+
+def precision_line(llm: LLM) -> str:
+    """One line on the precision the model runs at, and why when the user left it to "auto"."""
+    p = llm.loaded.precision
+    why = f" (auto: {p.reason})" if p.reason else ""
+    return f"[{llm.loaded.path.name}: {p.dtype}, quant {p.quant}{why}]"
 
 
 def method_and_draft(model: str, method: str | None, draft: str | None) -> tuple[str, str | None]:

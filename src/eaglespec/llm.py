@@ -36,7 +36,9 @@ class LLM:
     verification can flip an int8 activation code that one-token steps do not). `compile`
     "block" / "full" runs the decode and verification steps of the target, of a draft model and
     of an EAGLE-3 head through torch.compile (`compile_steps`): seconds (block) to minutes
-    (full) of compiling on first use, then faster steps.
+    (full) of compiling on first use, then faster steps. `dtype` and `quant` "auto" (the
+    commands' default) run a GGUF stored at 4 bits as w4a8 in bfloat16 on a CPU whose kernel
+    runs, anything else unquantized in float32 (model/precision.py); `quant` holds the choice.
     """
 
     def __init__(
@@ -68,12 +70,13 @@ class LLM:
             resolve_model(model, progress=progress), dtype=dtype, device=device, quant=quant
         )
         self.method = method or ("eagle3" if draft else "none")
-        self.draft, self.quant, self.compile = draft, quant, compile
+        self.draft, self.compile = draft, compile
+        self.quant = self.loaded.precision.quant  # "auto" resolved
         self.num_draft = num_draft
         self.tree = tree
         check_compile_mode(compile)  # before the draft loads, not after
         spec = make_proposer(
-            self.method, draft, self.loaded, capture=capture, quant=quant, progress=progress
+            self.method, draft, self.loaded, capture=capture, quant=self.quant, progress=progress
         )
         self.loaded.model.compile_steps(compile)
         compile_proposer(spec.proposer, compile)

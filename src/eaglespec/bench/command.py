@@ -30,7 +30,8 @@ from eaglespec.cliargs import add_model_args, tree_config
 from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
 from eaglespec.model.llama import check_compile_mode
-from eaglespec.model.loader import load_model, parse_dtype
+from eaglespec.model.loader import dtype_name, load_model
+from eaglespec.model.precision import AUTO
 from eaglespec.model.quant import check_quant_mode
 from eaglespec.registry import resolve_model
 
@@ -139,8 +140,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # Every argument is checked before the (slow) loads.
-    parse_dtype(args.dtype)
-    check_quant_mode(args.quant)
+    dtype_name(args.dtype)
+    if args.quant != AUTO:
+        check_quant_mode(args.quant)
     check_compile_mode(args.compile)
     tree = tree_config(args.tree or DEFAULT_TREE, "--tree")
     if args.num_draft < 1:
@@ -170,13 +172,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         quant=args.quant,
     )
     target.model.compile_steps(args.compile)
+    precision = target.precision  # "auto" resolved
     methods = build_methods(
         names,
         target,
         drafts,
         num_draft=args.num_draft,
         tree=tree,
-        quant=args.quant,
+        quant=precision.quant,
         compile=args.compile,
         progress=not args.quiet,
     )
@@ -187,7 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         generations, questions, names, group_by=args.group_by, greedy=settings.temperature == 0
     )
     env = environment(
-        EngineSettings(args.device, args.dtype, args.quant, args.compile),
+        EngineSettings(args.device, precision.dtype, precision.quant, args.compile),
         describe_model(target.path),
         _describe_drafts(methods, drafts),
     )

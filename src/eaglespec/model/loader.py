@@ -14,9 +14,11 @@ import torch
 
 from eaglespec.config import ModelConfig
 from eaglespec.errors import InvalidRequestError, ModelLoadError
+from eaglespec.model import w4a8
 from eaglespec.model.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
+from eaglespec.model.precision import AUTO, Precision, choose
 from eaglespec.model.quant import check_quant_mode, quantize_model
 from eaglespec.tokenizer import Tokenizer
 
@@ -30,6 +32,7 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     seconds: float  # wall time of the whole load
+    precision: Precision  # the dtype and quantization it runs at ("auto" resolved)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -42,6 +45,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[key]
 
 
+def dtype_name(name: str | torch.dtype) -> str:
+    """A dtype argument's canonical name ("float32", "bfloat16", "float16"), or "auto"."""
+    return AUTO if name == AUTO else str(parse_dtype(name)).removeprefix("torch.")
+
+
 def load_model(
     path: str | Path,
     *,
@@ -50,20 +58,31 @@ def load_model(
     quant: str = "none",
 ) -> LoadedModel:
     """`quant` "int8" quantizes the linear layers after loading (from the weights in `dtype`);
-    the int8 kernel runs bf16 activations inside each layer whatever `dtype` is."""
+    the int8 kernel runs bf16 activations inside each layer whatever `dtype` is. `dtype` and
+    `quant` "auto" run a 4-bit GGUF at its own precision on a CPU (model/precision.py)."""
     start = time.perf_counter()
     path = Path(path)
-    check_quant_mode(quant)  # before the (slow) load, not after
-    dtype = parse_dtype(dtype)
+    if quant != AUTO:
+        check_quant_mode(quant)  # before the (slow) load, not after
     ckpt = open_checkpoint(path)
+    storage = None
+    if isinstance(ckpt, GGUFCheckpoint):
+        storage = {name: info.qtype.name for name, info in ckpt.file.tensors.items()}
+    precision = choose(
+        dtype_name(dtype),
+        quant,
+        device=torch.device(device).type,
+        storage=storage,
+        w4a8_missing=w4a8.available,
+    )
     cfg = ModelConfig.from_hf_dict(ckpt.config, source=str(path))
-    model = build_model(ckpt, cfg, dtype, torch.device(device))
-    quantize_model(model, quant)
+    model = build_model(ckpt, cfg, parse_dtype(precision.dtype), torch.device(device))
+    quantize_model(model, precision.quant)
     if isinstance(ckpt, GGUFCheckpoint):
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.file.metadata)
     else:
         tokenizer = Tokenizer.from_hf_folder(path)
-    return LoadedModel(model, tokenizer, cfg, path, time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, cfg, path, time.perf_counter() - start, precision)
 
 
 def parameter_sources(cfg: ModelConfig) -> dict[str, list[str]]:

@@ -27,15 +27,18 @@ output rows are split among threads, so row b of a forward over M rows is bitwis
 same row alone, as for the other kernels (tests/test_w4a8.py). Rows are computed one or two at a
 time, so the kernel's cost grows linearly with M: it is a decode and verify kernel.
 
-Speculation over a w4a8 target: run it in bfloat16, its intended dtype. A verification forward
-over T tokens sums its attention in another order than T one-token steps do; in fp32 that leaves
-about 1e-5 in the logits of the tiny test model, and int8 activation codes are coarse (a step is
-1/127 of the group's largest value), so a code sitting at .5 flips by a whole step and greedy
-tokens changed on the tiny wide-init model. In bf16 the attention output is rounded to bf16 before
-it is quantized, which absorbs those last bits: the greedy-identity tests run w4a8 in bf16 eager,
-block- and full-compiled (tests/test_compile.py; full needs inductor's precision-cast emulation,
-llama.py), and every speculative output on SmolLM2 so far matched plain greedy decoding. It is
-bitwise by test, not by construction: a bf16 rounding boundary can still be crossed at a tie.
+Speculation over a w4a8 target: run it in bfloat16, its intended dtype (and what `--quant auto`
+picks for a 4-bit GGUF, model/precision.py). Greedy speculation reproduces plain decoding token for
+token for certain when a verified token's logits are bitwise a one-token step's; int8 activation
+codes are coarse (a step is 1/127 of the group's largest value), so a code sitting at .5 flips by a
+whole step on the last bit of its input and can turn a near-tie. On AVX-512 CPUs every op of the
+forward is computed row by row now: this kernel, the int8 head, eaglespec's attention kernel
+(model/cpu_attention.py, whose sums also do not depend on where masked keys sit: a tree's
+verification once differed from plain decoding 43 tokens in through that alone). The greedy-
+identity tests run w4a8 in bf16 eager, block- and full-compiled (tests/test_compile.py; full needs
+inductor's precision-cast emulation, llama.py), and on SmolLM2 with the shipped head in chains and
+trees (tests/test_real_spec.py). Elsewhere (fp32 attention in other orders, other CPUs) it is
+bitwise by test, not by construction.
 
 The kernel is compiled on first use for the machine at hand (torch.utils.cpp_extension with
 ninja and a C++ compiler, about 15 s, cached under torch's extension directory) and needs an x86

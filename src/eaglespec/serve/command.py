@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from eaglespec.calibration import CalibrationStore
-from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm
+from eaglespec.cliargs import add_model_args, add_speculation_args, load_llm, precision_line
 from eaglespec.errors import InvalidRequestError
 
 
@@ -51,6 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value is not None and value < (0 if flag in ("port", "prefill_chunk") else 1):
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     llm = load_llm(args, progress=True, default_method="eagle3")
+    print(precision_line(llm), file=sys.stderr)
     if llm.draft_report:
         print(f"[{llm.method}: {llm.draft_report}]", file=sys.stderr)
     path = Path(args.model)

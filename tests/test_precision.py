@@ -1,0 +1,109 @@
+"""model/precision.py: what `--dtype auto --quant auto` (the commands' default) runs a model at,
+from the checkpoint's storage types and the machine; and the load and the CLI report it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eaglespec.cli import main
+from eaglespec.model.loader import load_model
+from eaglespec.model.precision import choose
+
+
+def _gguf(decoder: str, head: str | None, tied: bool = False, layers: int = 2) -> dict[str, str]:
+    """Tensor name -> storage type of a small GGUF's layout."""
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    storage = {f"blk.{i}.{n}.weight": decoder for i in range(layers) for n in names}
+    storage |= {f"blk.{i}.attn_norm.weight": "F32" for i in range(layers)}
+    storage["token_embd.weight"] = head if tied else "Q8_0"
+    if not tied and head is not None:
+        storage["output.weight"] = head
+    return storage
+
+
+def _kernel_runs() -> None:
+    return None
+
+
+def _pick(dtype: str, quant: str, storage, device: str = "cpu", missing=_kernel_runs):
+    p = choose(dtype, quant, device=device, storage=storage, w4a8_missing=missing)
+    return p.dtype, p.quant
+
+
+def test_a_4bit_gguf_runs_at_its_own_precision_on_cpu() -> None:
+    assert _pick("auto", "auto", _gguf("Q4_1", "Q8_0", tied=True)) == ("bfloat16", "w4a8")
+    assert _pick("auto", "auto", _gguf("Q4_K", "Q6_K")) == ("bfloat16", "w4a8")
+    assert _pick("auto", "auto", _gguf("Q4_0", "Q4_0")) == ("bfloat16", "w4a8-all")
+    p = choose(
+        "auto", "auto", device="cpu", storage=_gguf("Q4_1", "Q8_0", True), w4a8_missing=_kernel_runs
+    )
+    assert "Q8_0" in p.reason  # the load report says why the head stays int8
+
+
+def test_a_q4_k_m_mix_counts_as_4bit() -> None:
+    """Q4_K_M keeps a few matrices at Q6_K; most are Q4_K: still the 4-bit kernel."""
+    storage = _gguf("Q4_K", "Q6_K", layers=4)
+    storage["blk.0.ffn_down.weight"] = storage["blk.1.attn_v.weight"] = "Q6_K"
+    assert _pick("auto", "auto", storage) == ("bfloat16", "w4a8")
+
+
+def test_everything_else_runs_unquantized_in_fp32() -> None:
+    assert _pick("auto", "auto", None) == ("float32", "none")  # a Hugging Face folder
+    assert _pick("auto", "auto", _gguf("Q8_0", "Q8_0")) == ("float32", "none")
+    assert _pick("auto", "auto", _gguf("F16", "F16")) == ("float32", "none")
+    assert _pick("auto", "auto", _gguf("Q4_1", "Q8_0"), device="cuda") == ("float32", "none")
+    p = choose(
+        "auto",
+        "auto",
+        device="cpu",
+        storage=_gguf("Q4_1", "Q8_0"),
+        w4a8_missing=lambda: "this CPU lacks AVX-512 VNNI",
+    )
+    assert (p.dtype, p.quant) == ("float32", "none") and "AVX-512 VNNI" in p.reason
+
+
+def test_an_explicit_choice_decides_the_other() -> None:
+    storage = _gguf("Q4_1", "Q8_0")
+    assert _pick("float32", "auto", storage) == ("float32", "none")  # fp32: the exact model
+    assert _pick("float16", "auto", storage) == ("float16", "none")
+    assert _pick("bfloat16", "auto", storage) == ("bfloat16", "w4a8")
+    assert _pick("auto", "int8", None) == ("bfloat16", "int8")  # the kernels' activations
+    assert _pick("auto", "none", storage) == ("float32", "none")
+    assert _pick("float32", "w4a8", storage) == ("float32", "w4a8")
+    p = choose("float32", "none", device="cpu", storage=storage, w4a8_missing=_kernel_runs)
+    assert p.reason == ""
+
+
+def test_the_kernel_is_only_asked_about_when_it_would_be_used() -> None:
+    asked = []
+
+    def missing() -> None:
+        asked.append(True)
+
+    _pick("auto", "auto", None, missing=missing)
+    _pick("float32", "auto", _gguf("Q4_1", "Q8_0"), missing=missing)
+    assert not asked
+    _pick("auto", "auto", _gguf("Q4_1", "Q8_0"), missing=missing)
+    assert asked
+
+
+def test_a_hugging_face_folder_loads_and_generates_as_before(tiny_hf_folder: Path, capsys) -> None:
+    loaded = load_model(tiny_hf_folder, dtype="auto", quant="auto")
+    assert (loaded.precision.dtype, loaded.precision.quant) == ("float32", "none")
+    assert str(loaded.model.dtype) == "torch.float32"
+    args = ["generate", "--model", str(tiny_hf_folder), "--raw", "--max-tokens", "3", "Once"]
+    assert main([*args, "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert "float32, quant none (auto: not a GGUF file" in err
+
+
+@pytest.mark.real
+def test_the_default_model_loads_as_w4a8(real_gguf: Path) -> None:
+    from eaglespec.model import w4a8
+
+    loaded = load_model(real_gguf, dtype="auto", quant="auto")
+    expected = ("bfloat16", "w4a8") if w4a8.available() is None else ("float32", "none")
+    assert (loaded.precision.dtype, loaded.precision.quant) == expected
+    assert str(loaded.model.dtype) == f"torch.{expected[0]}"
