@@ -30,9 +30,7 @@ from eaglespec.cliargs import add_model_args, tree_config
 from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
 from eaglespec.model.llama import check_compile_mode
-from eaglespec.model.loader import dtype_name, load_model
-from eaglespec.model.precision import AUTO
-from eaglespec.model.quant import check_quant_mode
+from eaglespec.model.loader import check_quant, dtype_name, load_model
 from eaglespec.registry import resolve_model
 
 
@@ -141,8 +139,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     # Every argument is checked before the (slow) loads.
     dtype_name(args.dtype)
-    if args.quant != AUTO:
-        check_quant_mode(args.quant)
+    check_quant(args.quant)
     check_compile_mode(args.compile)
     tree = tree_config(args.tree or DEFAULT_TREE, "--tree")
     if args.num_draft < 1:

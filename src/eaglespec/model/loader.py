@@ -50,6 +50,11 @@ def dtype_name(name: str | torch.dtype) -> str:
     return AUTO if name == AUTO else str(parse_dtype(name)).removeprefix("torch.")
 
 
+def check_quant(quant: str) -> str:
+    """A quant argument: "auto" or a supported mode (else an error naming the modes)."""
+    return quant if quant == AUTO else check_quant_mode(quant)
+
+
 def load_model(
     path: str | Path,
     *,
@@ -62,8 +67,7 @@ def load_model(
     `quant` "auto" run a 4-bit GGUF at its own precision on a CPU (model/precision.py)."""
     start = time.perf_counter()
     path = Path(path)
-    if quant != AUTO:
-        check_quant_mode(quant)  # before the (slow) load, not after
+    check_quant(quant)  # before the (slow) load, not after
     ckpt = open_checkpoint(path)
     storage = None
     if isinstance(ckpt, GGUFCheckpoint):
