@@ -39,7 +39,7 @@ def test_a_4bit_gguf_runs_at_its_own_precision_on_cpu() -> None:
     p = choose(
         "auto", "auto", device="cpu", storage=_gguf("Q4_1", "Q8_0", True), w4a8_missing=_kernel_runs
     )
-    assert "Q8_0" in p.reason  # the load report says why the head stays int8
+    assert "Q8_0" in p.reason  # the load report says why the head stays 8-bit
 
 
 def test_a_q4_k_m_mix_counts_as_4bit() -> None:

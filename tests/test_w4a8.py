@@ -1,5 +1,6 @@
-"""eaglespec's own int4 x int8 CPU kernel (model/w4a8.py, csrc/w4a8.cpp): against the plain-torch
-reference of its math, row independence, which layers the modes replace, refused shapes.
+"""eaglespec's own int4 x int8 and int8 x int8 CPU kernels (model/w4a8.py, csrc/w4a8.cpp): against
+the plain-torch reference of their math, row independence, which layers the modes replace,
+refused shapes.
 Speculation over a w4a8 target is checked for greedy identity in tests/test_compile.py.
 Skipped where the kernel cannot run (no AVX-512 VNNI, no C++ compiler)."""
 
@@ -51,6 +52,38 @@ def test_kernel_computes_the_documented_math(shape: tuple[int, int], dtype: torc
     torch.testing.assert_close(y.float(), ref, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_kernel_computes_the_documented_math(
+    shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    n, k = shape
+    layer = _layer(n, k, bias=True).to(dtype)
+    q, s = w4a8.int8_group_codes(layer.weight)
+    mod = w4a8.W8A8Linear.from_linear(layer)
+    torch.manual_seed(1)
+    x = torch.randn(5, k).to(dtype)  # (M, K)
+    y = mod(x)
+    assert y.dtype == dtype and y.shape == (5, n)
+    ref = w4a8.reference8(x, q, s) + layer.bias.float()  # (M, N) fp32
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2**-7, 1e-2)
+    torch.testing.assert_close(y.float(), ref, rtol=rtol, atol=atol)
+
+
+def test_8bit_codes_are_a_q8_0_tensors_own() -> None:
+    """Weights on GGUF's Q8_0 grid (w = d * q per group of 32, d fp16, codes reaching 127 in
+    every group) come back as the same codes and scales, so the head computes the file's
+    weights."""
+    torch.manual_seed(4)
+    d = (torch.rand(16, 4) * 0.01 + 1e-3).half()  # (N, groups)
+    q = torch.randint(-127, 128, (16, 4, 32))
+    q[:, :, 0] = 127 * torch.where(torch.rand(16, 4) < 0.5, 1, -1)  # absmax 127 in each group
+    w = (q.float() * d.float()[..., None]).view(16, 128)
+    codes, scales = w4a8.int8_group_codes(w)
+    assert torch.equal(codes.view(16, 4, 32).long(), q)
+    assert torch.equal(scales, d)
+
+
 def test_int8_activations_cost_about_nothing_next_to_the_int4_weights() -> None:
     """Against the dense layer, w4a8's relative error is int4's (torch's kernel, bf16
     activations) to within 2%: the weights' 4 bits dominate, not the activations' 8."""
@@ -68,10 +101,11 @@ def test_int8_activations_cost_about_nothing_next_to_the_int4_weights() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_is_computed_alone(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
+def test_each_row_is_computed_alone(kind: type[w4a8.W4A8Linear], dtype: torch.dtype) -> None:
     """Row b of a forward over M rows is bitwise the same row alone, for every M (the 2-row and
     1-row paths, odd and even M), which keeps verification consistent with decode steps."""
-    mod = w4a8.W4A8Linear.from_linear(_layer(960, 576, bias=True))
+    mod = kind.from_linear(_layer(960, 576, bias=True))
     torch.manual_seed(2)
     x = torch.randn(7, 576).to(dtype)
     alone = [mod(x[i : i + 1]) for i in range(7)]
@@ -81,26 +115,34 @@ def test_each_row_is_computed_alone(dtype: torch.dtype) -> None:
             assert torch.equal(batch[i : i + 1], alone[i]), (m, i)
 
 
-def test_zero_and_constant_groups() -> None:
-    """An all-zero activation group (dx = 0) and a constant weight group (one code value)."""
-    layer = _layer(8, 64, bias=False)
+@pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
+def test_zero_and_constant_groups(kind: type[w4a8.W4A8Linear]) -> None:
+    """An all-zero activation group (dx = 0), a constant weight group (one code value) and an
+    all-zero weight group."""
+    layer = _layer(8, 96, bias=False)
     layer.weight[:, :32] = 0.25
-    mod = w4a8.W4A8Linear.from_linear(layer)
-    x = torch.randn(2, 64)
-    x[:, 32:] = 0
+    layer.weight[:, 64:] = 0
+    mod = kind.from_linear(layer)
+    x = torch.randn(2, 96)
+    x[:, 32:64] = 0
     torch.testing.assert_close(mod(x), layer(x), rtol=0.05, atol=0.02)
 
 
 def test_modes_replace_the_body_and_choose_the_head() -> None:
     body = quantize_model(tiny_target(0, vocab=96), "w4a8")
     assert isinstance(body.layers[0].attn.wqkv, w4a8.W4A8Linear)
-    assert isinstance(body.lm_head, Int8Linear)
+    assert isinstance(body.lm_head, w4a8.W8A8Linear)
+    odd = quantize_model(tiny_target(0, vocab=97), "w4a8")  # 97 rows: not in blocks of 4
+    assert isinstance(odd.lm_head, Int8Linear)
     both = quantize_model(tiny_target(0, vocab=96), "w4a8-all")
     assert isinstance(both.layers[0].mlp.w2, w4a8.W4A8Linear)
     assert isinstance(both.lm_head, w4a8.W4A8Linear)
 
 
 @pytest.mark.parametrize("shape", [(8, 48), (6, 64)])
-def test_shapes_the_kernel_cannot_take_are_refused(shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
+def test_shapes_the_kernel_cannot_take_are_refused(
+    kind: type[w4a8.W4A8Linear], shape: tuple[int, int]
+) -> None:
     with pytest.raises(InvalidRequestError, match="divisible by 32.*by 4"):
-        w4a8.W4A8Linear.from_linear(_layer(*shape, bias=False))
+        kind.from_linear(_layer(*shape, bias=False))

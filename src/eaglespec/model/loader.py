@@ -14,7 +14,7 @@ import torch
 
 from eaglespec.config import ModelConfig
 from eaglespec.errors import InvalidRequestError, ModelLoadError
-from eaglespec.model import w4a8
+from eaglespec.model import cpu_attention, cpu_rowops, w4a8
 from eaglespec.model.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
@@ -82,6 +82,11 @@ def load_model(
     cfg = ModelConfig.from_hf_dict(ckpt.config, source=str(path))
     model = build_model(ckpt, cfg, parse_dtype(precision.dtype), torch.device(device))
     quantize_model(model, precision.quant)
+    if torch.device(device).type == "cpu":
+        # eaglespec's CPU kernels are built on first use (seconds, once per machine; loaded
+        # from torch's extension cache after): here, not inside the first chat turn or request
+        cpu_attention.available()
+        cpu_rowops.available()
     if isinstance(ckpt, GGUFCheckpoint):
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.file.metadata)
     else:

@@ -5,13 +5,15 @@ The rule is llama.cpp's: run a GGUF file at the precision it was stored in. A GG
 matrices are 4-bit (Q4_0, Q4_1, Q4_K) runs on a CPU through eaglespec's w4a8 kernel (the file's
 own 4-bit codes, exact; activations quantized to int8 per group of 32, as llama.cpp computes its
 4-bit formats), in bfloat16, the kernel's intended dtype: `w4a8` when the output head is stored
-above 4 bits (it then stays int8), `w4a8-all` when it is 4-bit too. Anything else (a Hugging Face
+above 4 bits (it then runs at 8 bits per group of 32, Q8_0's grid, through the same kernel's
+8-bit form), `w4a8-all` when it is 4-bit too. Anything else (a Hugging Face
 folder, a GGUF stored at 8 bits or more, a GPU, a CPU without AVX-512 VNNI) runs unquantized in
 float32, as before. An explicit dtype decides an auto quant: float32 or float16 asks for the
 unquantized model.
 
 Measured on the 2-core development VM (SmolLM2-135M Q4_1, eager, BENCHMARKS.md): float32 plain
-decoding about 21 tok/s, bfloat16 w4a8 about 70-80.
+decoding about 21 tok/s, bfloat16 w4a8 about 110-120 (70-80 before the 8-bit head kernel and
+the row-op kernels of 2026-11-25).
 """
 
 from __future__ import annotations
@@ -77,4 +79,4 @@ def _auto_quant(
     head = storage.get("output.weight", storage.get("token_embd.weight"))
     if head in FOUR_BIT:
         return "w4a8-all", "the GGUF's 4-bit weights, 4-bit output head"
-    return "w4a8", f"the GGUF's 4-bit weights, output head {head} as int8"
+    return "w4a8", f"the GGUF's 4-bit weights, output head {head} at 8 bits"

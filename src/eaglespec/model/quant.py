@@ -366,15 +366,26 @@ def _w4a8_if_it_fits(linear: nn.Linear) -> nn.Module:
     return _w4a8(linear) if linear.weight.shape[0] % ROWS == 0 else Int8Linear.from_linear(linear)
 
 
+def _w8a8_if_it_fits(linear: nn.Linear) -> nn.Module:
+    """w4a8's output head: 8-bit weights per group of 32 (GGUF's Q8_0) against int8 activations,
+    or per-channel int8 for a vocabulary not a multiple of 4 rows."""
+    from eaglespec.model.w4a8 import ROWS, W8A8Linear
+
+    if linear.weight.shape[0] % ROWS:
+        return Int8Linear.from_linear(linear)
+    return W8A8Linear.from_linear(linear)
+
+
 # mode -> (body layers, output head). int4 keeps the head (the lm_head, named "lm_head" in the
 # target and in EAGLE-3 heads) at int8: its logits decide every token, its rows are quantized more
 # finely in GGUF files (SmolLM2's Q4_1 file stores it as Q8_0, which per-channel int8 all but
-# reproduces), and int4 there changed SmolLM2's first greedy token on the story prompt.
+# reproduces), and int4 there changed SmolLM2's first greedy token on the story prompt. w4a8
+# keeps it at 8 bits per group of 32, Q8_0's own grid, through the int8-activation kernel.
 _LAYERS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear], nn.Module]]] = {
     "int8": (Int8Linear.from_linear, Int8Linear.from_linear),
     "int4": (Int4Linear.from_linear, Int8Linear.from_linear),
     "int4-all": (Int4Linear.from_linear, _int4_if_it_fits),
-    "w4a8": (_w4a8, Int8Linear.from_linear),
+    "w4a8": (_w4a8, _w8a8_if_it_fits),
     "w4a8-all": (_w4a8, _w4a8_if_it_fits),
 }
 HEAD_NAME = "lm_head"

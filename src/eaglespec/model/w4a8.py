@@ -1,5 +1,6 @@
-"""int4 weights x int8 activations on CPU: eaglespec's own matmul kernel (csrc/w4a8.cpp), the
-layers of `--quant w4a8` (output head int8) and `w4a8-all` (output head too).
+"""int4 and int8 weights x int8 activations on CPU: eaglespec's own matmul kernels
+(csrc/w4a8.cpp), the layers of `--quant w4a8` (4-bit decoder, 8-bit output head) and `w4a8-all`
+(4-bit output head too).
 
 Dims: M rows (B * T flattened), K in features, N out features, G = 32 features per group.
 
@@ -18,6 +19,16 @@ AVX-512 VNNI computes 64 at a time (vpdpbusd); one float multiply-add per group 
 PyTorch's int4 kernel instead turns every weight into a float before its multiply-add, which
 holds it to about 20 GB/s of weights on this project's 2-core VM; this kernel streams 29-39 GB/s
 (cold weights, two threads, all of Qwen2.5-Coder-1.5B's decoder matrices; BENCHMARKS.md).
+
+The output head of `w4a8` (`W8A8Linear`) runs 8-bit weights against the same int8 activations,
+GGUF's Q8_0 (w = d * q per group of 32, q in -127..127, d fp16; SmolLM2's file stores its head
+so) as llama.cpp computes it:
+
+    y[m, n]  = sum_g s[n, g] * dx[m, g] * sum_{k in g} q[n, k] * xq[m, k]
+
+It replaced torch's `_weight_int8pack_mm` (per-channel int8 weights, bf16 activations), which took
+4.3 ms of a 12.5 ms eager SmolLM2 decode step for the 49,152 x 576 head, 6.6 GB/s of weights
+(torch profiler, 2 threads, 2026-11-25).
 
 Layout (`pack`): output rows in blocks of 4, each block one contiguous run of codes, scales and
 minimums, so each thread reads its share of a matrix as one sequential stream.
@@ -69,9 +80,13 @@ def _load() -> str | None:
     if reason is not None:
         return reason
 
-    @torch.library.register_fake("eaglespec_w4a8::linear")
+    @torch.library.register_fake("eaglespec_w4a8::linear")  # type: ignore[untyped-decorator]
     def _(x: torch.Tensor, w: torch.Tensor, N: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], N)  # (M, N), x's dtype
+
+    @torch.library.register_fake("eaglespec_w4a8::linear8")  # type: ignore[untyped-decorator]
+    def _fake8(x: torch.Tensor, w: torch.Tensor, N: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], N)
 
     return None
 
@@ -111,20 +126,65 @@ def pack(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, 1).reshape(-1).contiguous()  # (N/4 * ng * 80,)
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """The kernel's math in plain torch, fp32 (for tests): (M, K) x, (N, K) codes, (N, K/G)
-    scales and minimums -> (M, N)."""
-    M, K = x.shape
+def pack8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 codes in -127..127 and (N, K/G) scales -> the 8-bit kernel's blocked bytes,
+    1-D uint8 of N/4 * K/G * 136 (csrc/w4a8.cpp's header has the layout): per block of ROWS
+    output rows and window of h <= 16 groups, each row's codes as 8 steps of h lanes x 4 bytes
+    (stored as q + 128), then the rows' h scales."""
+    N, K = q.shape
     ng = K // GROUP
-    xf = x.float().view(M, ng, GROUP)
+    u = (q.to(torch.int16) + 128).to(torch.uint8).view(N, ng, 8, 4)  # (N, group, step, byte)
+    s16 = s.to(torch.float16).contiguous().view(torch.uint8).view(N // ROWS, ROWS, ng, 2)
+    parts = []
+    for g0 in range(0, ng, WINDOW):
+        h = min(WINDOW, ng - g0)
+        codes = u[:, g0 : g0 + h].permute(0, 2, 1, 3).reshape(N // ROWS, ROWS * 32 * h)
+        parts += [codes, s16[:, :, g0 : g0 + h].reshape(N // ROWS, ROWS * 2 * h)]
+    return torch.cat(parts, 1).reshape(-1).contiguous()  # (N/4 * ng * 136,)
+
+
+def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> (N, K) int8 codes in -127..127 and (N, K/G) fp16 scales, symmetric per
+    group of 32 (GGUF's Q8_0): s = fp16(absmax / 127), q = round(w / s), so w ≈ s * q exactly as
+    the kernel multiplies. On a Q8_0 tensor this recovers the file's codes (the scale up to the
+    model dtype's rounding of the dequantized weights)."""
+    N, K = w.shape
+    wg = w.float().view(N, K // GROUP, GROUP)
+    s = (wg.abs().amax(-1) / 127).half()  # (N, ng)
+    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale, codes 0
+    q = (wg / s.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.view(N, K), s
+
+
+def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(M, K) -> fp32 groups (M, ng, G), int8 codes as floats (M, ng, G), scales dx (M, ng)."""
+    M, K = x.shape
+    xf = x.float().view(M, K // GROUP, GROUP)
     amax = xf.abs().amax(-1)  # (M, ng)
     # 127.0 / amax as the kernel divides; torch's `127 / amax` is reciprocal-then-multiply, which
     # can differ by an ulp and move a code that sits at .5 (found by the tests)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = (xf * inv[..., None]).round().clamp(-127, 127)  # (M, ng, G)
+    return xf, xq, amax / 127
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """The 4-bit kernel's math in plain torch, fp32 (for tests): (M, K) x, (N, K) codes,
+    (N, K/G) scales and minimums -> (M, N)."""
+    xf, xq, dx = _quantize_activations(x)
+    ng = xq.shape[1]
     dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(-1, ng, GROUP))  # (M, N, ng)
-    scaled = dots * s.float()[None] * (amax / 127)[:, None, :]
+    scaled = dots * s.float()[None] * dx[:, None, :]
     return scaled.sum(-1) + (mn.float()[None] * xf.sum(-1)[:, None, :]).sum(-1)
+
+
+def reference8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The 8-bit kernel's math in plain torch, fp32 (for tests): (M, K) x, (N, K) int8 codes,
+    (N, K/G) scales -> (M, N)."""
+    _, xq, dx = _quantize_activations(x)
+    ng = xq.shape[1]
+    dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(-1, ng, GROUP))  # (M, N, ng)
+    return (dots * s.float()[None] * dx[:, None, :]).sum(-1)
 
 
 def _check_shape(N: int, K: int) -> None:
@@ -168,4 +228,39 @@ class W4A8Linear(_QuantLinear):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         # (M, K) fp32 or bf16 -> (M, N) in x2's dtype
-        return torch.ops.eaglespec_w4a8.linear(x2, self.weight, self.out_features)
+        y: torch.Tensor = torch.ops.eaglespec_w4a8.linear(x2, self.weight, self.out_features)
+        return y
+
+
+class W8A8Linear(_QuantLinear):
+    """y = x @ w.T + b with w[o, i] = q[o, i] * s[o, i // G], q int8, activations quantized to
+    int8 per group inside the kernel (module doc): `w4a8`'s output head."""
+
+    weight: torch.Tensor  # (N/4 * K/G * 136,) uint8: codes and scales, blocked
+
+    def __init__(
+        self,
+        codes: torch.Tensor,  # (N, K) integer codes in -127..127
+        scales: torch.Tensor,  # (N, K/G)
+        bias: torch.Tensor | None = None,  # (N,)
+    ) -> None:
+        super().__init__()
+        require()
+        N, K = codes.shape
+        _check_shape(N, K)
+        _check_cpu("w4a8", codes)
+        self.in_features, self.out_features = K, N
+        self.register_buffer("weight", pack8(codes, scales))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
+        _check_shape(*linear.weight.shape)
+        q, s = int8_group_codes(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, s, bias)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        # (M, K) fp32 or bf16 -> (M, N) in x2's dtype
+        y: torch.Tensor = torch.ops.eaglespec_w4a8.linear8(x2, self.weight, self.out_features)
+        return y

@@ -1,0 +1,232 @@
+// Row-wise ops of a decode step on x86 CPUs with AVX-512, where PyTorch's eager ops cost more in
+// dispatch than in work (eaglespec/model/cpu_rowops.py has the why and the measurements).
+//
+// rms_norm: y[m] = x[m] * (1 / sqrt(mean_c x[m, c]^2 + eps)) * w, in fp32, rounded once to x's
+// dtype. Each row is computed alone, by one thread, through the same instructions whatever the
+// number of rows and the split among threads, so a row of a verification forward is bitwise the
+// row of a one-token step.
+//
+// rope_write: the step between the fused q/k/v projection and attention onto the cache. q and
+// k rotated (rotate-half layout: out = x * cos + roll(x, D/2) * signed_sin, each product and the
+// sum rounded to x's dtype as PyTorch's eager ops round them, so the bits are `apply_rope`'s),
+// k and v written to the cache at each token's slot, q returned. One call in place of a dozen
+// ops a layer.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kTaskValues = 1 << 16;  // values a task takes at least (a second thread pays)
+
+#define ROWOPS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+// The first n (<= 16) values from fp32 or bf16 memory -> fp32 lanes, the rest 0.
+ROWOPS_TARGET inline __m512 load16(const float* p, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+ROWOPS_TARGET inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
+  __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+// fp32 lanes -> the first n of them stored as fp32 or bf16 (round to nearest even).
+ROWOPS_TARGET inline void store16(float* p, __m512 v, __mmask16 mask) {
+  _mm512_mask_storeu_ps(p, mask, v);
+}
+ROWOPS_TARGET inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+  // bf16 = the high half of fp32 after adding 0x7FFF + the lowest kept bit (NaN not expected
+  // in activations; the same rounding as at::BFloat16's constructor for finite values)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+// fp32 lanes rounded to T's precision and back (bf16: as store16 rounds; fp32: unchanged).
+template <typename T>
+ROWOPS_TARGET inline __m512 round_to(__m512 v);
+template <>
+ROWOPS_TARGET inline __m512 round_to<float>(__m512 v) { return v; }
+template <>
+ROWOPS_TARGET inline __m512 round_to<at::BFloat16>(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+template <typename T, typename W>
+ROWOPS_TARGET void rms_norm_row(const T* x, const W* w, T* y, int64_t C, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; c += 16) {
+    const __m512 v = load16(x + c, tail_mask(C - c));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(C) + eps);
+  const __m512 vr = _mm512_set1_ps(r);
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 mask = tail_mask(C - c);
+    const __m512 v = _mm512_mul_ps(load16(x + c, mask), vr);
+    store16(y + c, _mm512_mul_ps(v, load16(w + c, mask)), mask);
+  }
+}
+
+template <typename T, typename W>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, double eps) {
+  const int64_t M = x.size(0), C = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const W* wp = w.data_ptr<W>();
+  T* yp = y.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, kTaskValues / C);
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      rms_norm_row<T, W>(xp + m * C, wp, yp + m * C, C, static_cast<float>(eps));
+  });
+}
+
+// One token's q heads (to qo) and k heads (to the cache at kc, stride ks per head), rotated,
+// and its v heads copied to the cache at vc. x: the token's H + 2 Hkv heads of D values.
+template <typename T>
+ROWOPS_TARGET void rope_write_token(const T* x, const T* cos, const T* sin, int64_t H,
+                                    int64_t Hkv, int64_t D, T* qo, T* kc, T* vc, int64_t hs) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < H + Hkv; ++h) {
+    const T* xh = x + h * D;
+    T* out = h < H ? qo + h * D : kc + (h - H) * hs;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 mask = tail_mask(D - d);
+      // roll(x, D/2)[d] = x[(d + D/2) mod D]: one of the halves, a 16-lane chunk never straddles
+      // them when D/2 is a multiple of 16; other D take the scalar path below.
+      const int64_t src = d < half ? d + half : d - half;
+      const __m512 a = round_to<T>(_mm512_mul_ps(load16(xh + d, mask), load16(cos + d, mask)));
+      const __m512 b = round_to<T>(_mm512_mul_ps(load16(xh + src, mask), load16(sin + d, mask)));
+      store16(out + d, _mm512_add_ps(a, b), mask);
+    }
+  }
+  for (int64_t h = 0; h < Hkv; ++h)
+    std::copy(x + (H + Hkv + h) * D, x + (H + Hkv + h + 1) * D, vc + h * hs);
+}
+
+template <typename T>
+void rope_write_all(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, at::Tensor& q) {
+  const int64_t B = qkv.size(0), T_ = qkv.size(1), D = qkv.size(3);
+  const int64_t Hkv = kc.size(1), H = qkv.size(2) - 2 * Hkv;
+  const T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* kp = kc.data_ptr<T>();
+  T* vp = vc.data_ptr<T>();
+  T* qp = q.data_ptr<T>();
+  const int64_t kb = kc.stride(0), kh = kc.stride(1), ks = kc.stride(2);
+  const int64_t vb = vc.stride(0), vh = vc.stride(1), vs = vc.stride(2);
+  TORCH_CHECK(kh == vh, "rope_write: k and v caches must share their head stride");
+  const int64_t grain = std::max<int64_t>(1, kTaskValues / ((H + 2 * Hkv) * D));
+  at::parallel_for(0, B * T_, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / T_, s = slot[r];
+      rope_write_token<T>(xp + r * (H + 2 * Hkv) * D, cp + r * D, sp + r * D, H, Hkv, D,
+                          qp + r * H * D, kp + b * kb + s * ks, vp + b * vb + s * vs, kh);
+    }
+  });
+}
+
+}  // namespace
+
+// x (..., C) fp32 or bf16, w (C,) fp32 or x's dtype -> (..., C) in x's dtype.
+at::Tensor rowops_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(cpu_supported(), "eaglespec rms_norm: this CPU lacks AVX-512");
+  TORCH_CHECK(x_in.device().is_cpu() && w_in.device().is_cpu(), "rms_norm: CPU tensors only");
+  const int64_t C = x_in.size(-1);
+  TORCH_CHECK(w_in.dim() == 1 && w_in.size(0) == C, "rms_norm: weight must be (", C, "), got ",
+              w_in.sizes());
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rms_norm: fp32 or bf16 only, got ", dt);
+  TORCH_CHECK(w_in.scalar_type() == dt || w_in.scalar_type() == at::kFloat,
+              "rms_norm: weight dtype ", w_in.scalar_type(), " for ", dt, " input");
+  const at::Tensor x = x_in.contiguous().view({-1, C});
+  const at::Tensor w = w_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+  if (dt == at::kFloat)
+    rms_norm_rows<float, float>(x, w, y, eps);
+  else if (w.scalar_type() == at::kFloat)
+    rms_norm_rows<at::BFloat16, float>(x, w, y, eps);
+  else
+    rms_norm_rows<at::BFloat16, at::BFloat16>(x, w, y, eps);
+  return y.view(x_in.sizes());
+}
+
+// qkv (B, T, H + 2 Hkv, D) contiguous; cos, signed sin (B, T, 1, D); k_cache, v_cache
+// (B, Hkv, S, D) with unit stride over D; slots (B, T) int64 -> q (B, T, H, D), rotated; the
+// rotated k and the v of token (b, t) land in row b's slot slots[b, t] of the caches.
+at::Tensor rowops_rope_write(const at::Tensor& qkv_in, const at::Tensor& cos_in,
+                             const at::Tensor& sin_in, at::Tensor k_cache, at::Tensor v_cache,
+                             const at::Tensor& slots_in) {
+  TORCH_CHECK(cpu_supported(), "eaglespec rope_write: this CPU lacks AVX-512");
+  TORCH_CHECK(qkv_in.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "rope_write: qkv and the caches must be 4-D");
+  const int64_t B = qkv_in.size(0), T_ = qkv_in.size(1), D = qkv_in.size(3);
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), H = qkv_in.size(2) - 2 * Hkv;
+  const auto dt = qkv_in.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rope_write: fp32 or bf16 only");
+  TORCH_CHECK(cos_in.scalar_type() == dt && sin_in.scalar_type() == dt &&
+                  k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+              "rope_write: qkv, cos, sin and the caches must share a dtype");
+  TORCH_CHECK(H > 0 && D % 32 == 0, "rope_write: needs query heads and a head dim divisible by 32");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B && k_cache.size(3) == D,
+              "rope_write: caches must be (B, Hkv, S, D) like qkv's B and D");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "rope_write: cache rows must be contiguous");
+  TORCH_CHECK(cos_in.numel() == B * T_ * D && sin_in.numel() == B * T_ * D,
+              "rope_write: cos and sin must be (B, T, 1, D)");
+  TORCH_CHECK(slots_in.scalar_type() == at::kLong && slots_in.numel() == B * T_,
+              "rope_write: slots must be (B, T) int64");
+  const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const at::Tensor slots = slots_in.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T_; ++i)
+    TORCH_CHECK(0 <= sp[i] && sp[i] < S, "rope_write: slot ", sp[i], " outside the cache (", S, ")");
+  at::Tensor q = at::empty({B, T_, H, D}, qkv.options());
+  if (dt == at::kFloat)
+    rope_write_all<float>(qkv, cos, sin, k_cache, v_cache, slots, q);
+  else
+    rope_write_all<at::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, q);
+  return q;
+}
+
+bool rowops_supported() { return cpu_supported(); }
+
+TORCH_LIBRARY(eaglespec_rowops, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slots) -> Tensor");
+  m.def("supported() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(eaglespec_rowops, CPU, m) {
+  m.impl("rms_norm", &rowops_rms_norm);
+  m.impl("rope_write", &rowops_rope_write);
+}
+
+TORCH_LIBRARY_IMPL(eaglespec_rowops, CompositeExplicitAutograd, m) {
+  m.impl("supported", &rowops_supported);
+}

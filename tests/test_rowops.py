@@ -1,0 +1,111 @@
+"""eaglespec's CPU row-op kernels (model/cpu_rowops.py, csrc/rowops.cpp): RMSNorm against its
+plain-torch math, RoPE + cache write bitwise against the PyTorch ops it replaces, row
+independence, and where they step aside (compiling, gradients). Skipped where the kernels cannot
+run (no AVX-512, no C++ compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglespec.cache import KVCache, write_entries
+from eaglespec.model import cpu_rowops
+from eaglespec.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+pytestmark = pytest.mark.skipif(
+    cpu_rowops.available() is not None,
+    reason=f"row-op kernels unavailable: {cpu_rowops.available()}",
+)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 64, 100, 8])
+def test_rms_norm_is_its_math_and_close_to_torch(dtype: torch.dtype, width: int) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(2, 5, width) * 3).to(dtype)
+    w = (torch.rand(width) + 0.5).to(dtype)
+    y = cpu_rowops.rms_norm(x, w, 1e-5)
+    assert y.shape == x.shape and y.dtype == dtype
+    ref = cpu_rowops.rms_norm_reference(x, w, 1e-5)
+    # fp32: sums in another order; bf16: one rounding of the output at most
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 0}
+    torch.testing.assert_close(y, ref, **tol)
+    torch.testing.assert_close(y, F.rms_norm(x, (width,), w, 1e-5), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rows_alone(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(9, 576).to(dtype)
+    w = torch.rand(576).to(dtype)
+    alone = torch.cat([cpu_rowops.rms_norm(x[i : i + 1], w, 1e-6) for i in range(9)])
+    assert torch.equal(cpu_rowops.rms_norm(x, w, 1e-6), alone)
+
+
+def test_the_layer_steps_aside_for_gradients_and_compiling() -> None:
+    """Training backpropagates through RMSNorm: the kernel has no backward, PyTorch's op runs."""
+    norm = RMSNorm(64, 1e-5)
+    x = torch.randn(3, 64, requires_grad=True)
+    assert not cpu_rowops.rms_norm_fits(x, norm.weight)
+    norm(x).sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    with torch.no_grad():
+        assert cpu_rowops.rms_norm_fits(x, norm.weight.detach())
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5))
+
+
+def _cache(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype) -> KVCache:
+    return KVCache.allocate(
+        num_layers=1,
+        batch=batch,
+        num_kv_heads=kv_heads,
+        capacity=capacity,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+
+
+def _torch_rope_write(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, H: int
+) -> torch.Tensor:
+    """layers.cached_attention's PyTorch form up to attention: -> q (B, H, T, D)."""
+    B, T, heads, D = qkv.shape
+    Hkv = (heads - H) // 2
+    qk = apply_rope(qkv[:, :, : H + Hkv], cos, sin)
+    k = qk[:, :, H:].transpose(1, 2)
+    v = qkv[:, :, H + Hkv :].transpose(1, 2)
+    write_entries(cache.k_layers[0], cache.v_layers[0], cache.plan(T).write_index, k, v)
+    return qk[:, :, :H].transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(9, 3, 64), (4, 2, 128), (2, 1, 32)])
+def test_rope_write_has_the_bits_of_the_torch_ops(
+    dtype: torch.dtype, H: int, Hkv: int, D: int
+) -> None:
+    """Rows at different lengths (slots apart), several new tokens, and positions past the
+    lengths (tree depths): q, the cache's k and v bitwise those of the PyTorch ops."""
+    torch.manual_seed(2)
+    B, T, S = 2, 3, 16
+    caches = [_cache(B, Hkv, S, D, dtype) for _ in range(2)]
+    for cache in caches:
+        cache.lengths = [4, 7]
+    qkv = torch.randn(B, T, H + 2 * Hkv, D).to(dtype)
+    positions = torch.tensor([[4, 5, 5], [7, 8, 9]])
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(D, 10000.0, None), dtype)
+    want_q = _torch_rope_write(qkv, cos, sin, caches[0], H)
+    slots = caches[1].plan(T).write_index[2].view(B, T)
+    q = cpu_rowops.rope_write(qkv, cos, sin, caches[1].k_layers[0], caches[1].v_layers[0], slots)
+    assert torch.equal(q.transpose(1, 2), want_q)
+    assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
+
+
+def test_rope_write_refuses_a_slot_outside_the_cache() -> None:
+    cache = _cache(1, 1, 4, 32, torch.float32)
+    qkv, trig = torch.randn(1, 1, 3, 32), torch.ones(1, 1, 1, 32)
+    k, v = cache.k_layers[0], cache.v_layers[0]
+    with pytest.raises(RuntimeError, match="slot 4 outside the cache"):
+        cpu_rowops.rope_write(qkv, trig, trig, k, v, torch.tensor([[4]]))
