@@ -60,6 +60,7 @@ with that reason.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -195,6 +196,22 @@ def _check_shape(N: int, K: int) -> None:
         )
 
 
+def _store(
+    layer: _QuantLinear,
+    codes: torch.Tensor,  # (N, K)
+    packed: Callable[[], torch.Tensor],  # the kernel's bytes, made once the checks pass
+    bias: torch.Tensor | None,  # (N,)
+) -> None:
+    """What both kernels' layers keep: the shape checks, the packed weight, the bias."""
+    require()
+    N, K = codes.shape
+    _check_shape(N, K)
+    _check_cpu("w4a8", codes)
+    layer.in_features, layer.out_features = K, N
+    layer.register_buffer("weight", packed())
+    layer.register_buffer("bias", bias)
+
+
 class W4A8Linear(_QuantLinear):
     """y = x @ w.T + b with w[o, i] = q[o, i] * s[o, i // G] + mn[o, i // G], activations
     quantized to int8 per group inside the kernel (module doc)."""
@@ -209,13 +226,7 @@ class W4A8Linear(_QuantLinear):
         bias: torch.Tensor | None = None,  # (N,)
     ) -> None:
         super().__init__()
-        require()
-        N, K = codes.shape
-        _check_shape(N, K)
-        _check_cpu("w4a8", codes)
-        self.in_features, self.out_features = K, N
-        self.register_buffer("weight", pack(codes, scales, mins))
-        self.register_buffer("bias", bias)
+        _store(self, codes, lambda: pack(codes, scales, mins), bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> W4A8Linear:
@@ -245,13 +256,7 @@ class W8A8Linear(_QuantLinear):
         bias: torch.Tensor | None = None,  # (N,)
     ) -> None:
         super().__init__()
-        require()
-        N, K = codes.shape
-        _check_shape(N, K)
-        _check_cpu("w4a8", codes)
-        self.in_features, self.out_features = K, N
-        self.register_buffer("weight", pack8(codes, scales))
-        self.register_buffer("bias", bias)
+        _store(self, codes, lambda: pack8(codes, scales), bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> W8A8Linear:

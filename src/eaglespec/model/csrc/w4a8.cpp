@@ -110,6 +110,19 @@ W4A8_TARGET void quantize_row(const T* x, int64_t K, int8_t* xq, float* dx, floa
   }
 }
 
+// A window of up to 16 groups starting at group g0 of ng: its groups h (one per int32 lane),
+// the lanes they fill and the bytes of a 4h-byte load.
+struct Window {
+  int64_t h;
+  __mmask16 lanes;
+  __mmask64 bytes;
+};
+inline Window window(int64_t ng, int64_t g0) {
+  const int64_t h = std::min<int64_t>(16, ng - g0);
+  return {h, static_cast<__mmask16>((1u << h) - 1u),
+          h == 16 ? ~__mmask64{0} : ((__mmask64{1} << (4 * h)) - 1)};
+}
+
 inline void store(float* y, float v) { *y = v; }
 inline void store(at::BFloat16* y, float v) { *y = at::BFloat16(v); }  // round to nearest even
 
@@ -134,9 +147,10 @@ W4A8_TARGET void block_rows(const uint8_t* blk, int64_t K, const int8_t* xq, con
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t win = 0; win < nw; ++win) {
     const int64_t g0 = win * 16;
-    const int64_t h = std::min<int64_t>(16, ng - g0);  // groups (lanes) in this window
-    const __mmask16 mask = static_cast<__mmask16>((1u << h) - 1u);
-    const __mmask64 bytes = h == 16 ? ~__mmask64{0} : ((__mmask64{1} << (4 * h)) - 1);
+    const Window wd = window(ng, g0);
+    const int64_t h = wd.h;
+    const __mmask16 mask = wd.lanes;
+    const __mmask64 bytes = wd.bytes;
     const uint8_t* wp = blk + g0 * kBlockBytesPerGroup;
     const auto* sp = reinterpret_cast<const uint16_t*>(wp + 64 * h);  // scales, then minimums
     const uint16_t* mp = sp + kRows * h;
@@ -190,9 +204,10 @@ W4A8_TARGET void block_rows8(const uint8_t* blk, int64_t K, const int8_t* xq, co
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t win = 0; win < nw; ++win) {
     const int64_t g0 = win * 16;
-    const int64_t h = std::min<int64_t>(16, ng - g0);  // groups (lanes) in this window
-    const __mmask16 mask = static_cast<__mmask16>((1u << h) - 1u);
-    const __mmask64 bytes = h == 16 ? ~__mmask64{0} : ((__mmask64{1} << (4 * h)) - 1);
+    const Window wd = window(ng, g0);
+    const int64_t h = wd.h;
+    const __mmask16 mask = wd.lanes;
+    const __mmask64 bytes = wd.bytes;
     const uint8_t* wp = blk + g0 * kBlockBytesPerGroup8;
     const auto* sp = reinterpret_cast<const uint16_t*>(wp + 128 * h);
     __m512 dxv[MB];
