@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import eaglespec
 from eaglespec.calibration import (
     CalibrationStore,
     calibrate,
@@ -116,8 +117,11 @@ def test_calibrate_stores_what_generate_starts_from(llm: LLM, tiny_hf_folder: Pa
     store.save()
     assert json.loads(path.read_text())["source"] == "generate"
 
-    # Another machine setting is another calibration: nothing stored for it.
+    # Another machine setting is another calibration: nothing stored for it; so is another
+    # build of the engine (its kernels decide what a round costs).
     assert load_calibration(replace(key, threads=key.threads + 1), AdaptiveDraft(2, TREE)) is None
+    assert key.engine.startswith(eaglespec.__version__ + "+")
+    assert load_calibration(replace(key, engine=key.engine + "x"), AdaptiveDraft(2, TREE)) is None
 
 
 def test_a_head_retrained_into_the_same_folder_is_another_calibration(

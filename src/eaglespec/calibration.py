@@ -12,15 +12,18 @@ records what the policy's cost model needs, measured here, not assumed:
 and the policy's best arm is the one with the highest tokens(k) / seconds(k). The learned state is
 written as JSON under the cache directory, keyed by everything that changes a round's cost or its
 acceptance: the model file, the draft (its path and its content: a head retrained into the same
-folder accepts differently), device, dtype, quantization, compile mode, threads and the torch
-version. `generate` loads it as the adaptive policy's starting point (all arms measured, so
-it skips exploring), keeps adapting to the prompt at hand, and stores the updated state after the
+folder accepts differently), device, dtype, quantization, compile mode, threads, the torch
+version and eaglespec's own code (a digest of its Python and C++ sources: a new kernel changes
+what a round costs, as the eager-step kernels of 2026-11-25 made a plain step 1.6x faster).
+`generate` loads it as the adaptive policy's starting point (all arms measured, so it skips
+exploring), keeps adapting to the prompt at hand, and stores the updated state after the
 run: a first run without calibration explores online and leaves a calibration behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -56,6 +59,7 @@ class CalibrationKey:
     compile: str
     threads: int
     torch: str
+    engine: str  # engine_fingerprint(): eaglespec's version and a digest of its code
 
     def file(self) -> Path:
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
@@ -86,6 +90,20 @@ def draft_fingerprint(draft: str | None) -> str | None:
     return h.hexdigest()[:20]
 
 
+@functools.cache
+def engine_fingerprint() -> str:
+    """eaglespec's version and a digest of its Python and C++ sources (not the shipped heads,
+    which the draft fingerprint covers): another build of the engine is another calibration."""
+    import eaglespec
+
+    root = Path(eaglespec.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".cpp", ".h") and f.is_file():
+            h.update(f"{f.relative_to(root)}\0".encode() + f.read_bytes())
+    return f"{eaglespec.__version__}+{h.hexdigest()[:12]}"
+
+
 def calibration_key(llm: LLM) -> CalibrationKey:
     path = Path(llm.loaded.path)
     size = (
@@ -112,6 +130,7 @@ def calibration_key(llm: LLM) -> CalibrationKey:
         compile=llm.compile,
         threads=torch.get_num_threads(),
         torch=torch.__version__,
+        engine=engine_fingerprint(),
     )
 
 
