@@ -25,6 +25,7 @@ from torch import nn
 from eaglespec.cache import CachePlan, KVCache
 from eaglespec.config import ModelConfig
 from eaglespec.errors import InvalidRequestError
+from eaglespec.model import cpu_layer
 from eaglespec.model.layers import (
     GatedMLP,
     RMSNorm,
@@ -98,6 +99,8 @@ class Block(nn.Module):
         v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
+        if cpu_layer.fits(self, x, k_cache, plan):  # eager w4a8 on CPU: the same ops in C++
+            return cpu_layer.forward(self, x, rope, k_cache, v_cache, plan)
         x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, plan)
         y: torch.Tensor = x + self.mlp(self.mlp_norm(x))
         return y

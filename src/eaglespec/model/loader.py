@@ -14,7 +14,7 @@ import torch
 
 from eaglespec.config import ModelConfig
 from eaglespec.errors import InvalidRequestError, ModelLoadError
-from eaglespec.model import cpu_attention, cpu_rowops, w4a8
+from eaglespec.model import cpu_attention, cpu_layer, cpu_rowops, w4a8
 from eaglespec.model.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
@@ -87,6 +87,8 @@ def load_model(
         # from torch's extension cache after): here, not inside the first chat turn or request
         cpu_attention.available()
         cpu_rowops.available()
+        if precision.quant.startswith("w4a8"):
+            cpu_layer.available()
     if isinstance(ckpt, GGUFCheckpoint):
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.file.metadata)
     else:

@@ -12,8 +12,8 @@ float32, as before. An explicit dtype decides an auto quant: float32 or float16 
 unquantized model.
 
 Measured on the 2-core development VM (SmolLM2-135M Q4_1, eager, BENCHMARKS.md): float32 plain
-decoding about 21 tok/s, bfloat16 w4a8 about 110-120 (70-80 before the 8-bit head kernel and
-the row-op kernels of 2026-11-25).
+decoding about 21 tok/s, bfloat16 w4a8 about 160-170 (70-80 before the eager-step kernels of
+2026-11-25: the 8-bit head, the row ops, the fused layer).
 """
 
 from __future__ import annotations

@@ -1,0 +1,109 @@
+"""A whole decoder layer of an eager CPU step in one call (csrc/layer.cpp), for layers whose four
+matrices are w4a8: the commands' default on a CPU with the w4a8 kernel.
+
+Why: with the matmuls, norms, rotation and attention in eaglespec's own kernels, what remained of
+an eager SmolLM2 decode step beyond its operators was Python: module calls, the quantized
+layers' reshapes, the kernels' checks, views, about 1.5 ms of a 7.6 ms step (torch profiler, 2
+threads, 2026-11-25). The C++ op runs the same ops in the same order (eaglespec's kernels through
+the dispatcher, ATen for the residual adds, SiLU and product), so a layer's output is bitwise the
+Python forward's (tests/test_cpu_layer.py); only the Python goes. Measured (SmolLM2 bf16 w4a8,
+100-token prefix, six interleaved runs of 30 forwards in one process, medians): one token 7.20 ->
+5.66 ms, two tokens 8.43 -> 6.58 ms.
+
+Taken where every piece would be taken anyway: eager (compiled forwards are one graph already),
+no gradients, fp32 or bf16, at most `cpu_attention.MAX_QUERIES` new tokens onto a cache, no
+q/k norm (Qwen3 keeps the Python forward), the four matrices `W4A8Linear`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from eaglespec.cache import CachePlan
+from eaglespec.model import cpu_attention, cpu_rowops, w4a8
+from eaglespec.model.extension import build
+
+if TYPE_CHECKING:
+    from eaglespec.model.llama import Block
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build and load the op once per process (after the kernels it calls); None if it runs."""
+    missing: list[str | None] = [
+        cpu_attention.available(),
+        cpu_rowops.available(),
+        w4a8.available(),
+    ]
+    for reason in missing:
+        if reason is not None:
+            return reason
+    return build("layer", needs="the kernels it calls")
+
+
+def available() -> str | None:
+    """None when the fused layer runs on this machine, else the reason it does not."""
+    return _load()
+
+
+def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
+    """Whether the fused op takes this layer's forward (module doc)."""
+    T = x.shape[1]
+    attn, mlp = block.attn, block.mlp
+    return (
+        not torch.compiler.is_compiling()
+        and x.is_cpu
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == x.dtype
+        and not (plan.prefix_free and T > 1)
+        and T <= cpu_attention.MAX_QUERIES
+        and k_cache.shape[-1] % 32 == 0
+        and k_cache.shape[-1] in cpu_attention.HEAD_DIMS
+        and attn.q_norm is None
+        and isinstance(attn.wqkv, w4a8.W4A8Linear)
+        and isinstance(attn.wo, w4a8.W4A8Linear)
+        and isinstance(mlp.w13, w4a8.W4A8Linear)
+        and isinstance(mlp.w2, w4a8.W4A8Linear)
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and _load() is None
+    )
+
+
+def forward(
+    block: Block,
+    x: torch.Tensor,  # (B, T, C)
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
+    k_cache: torch.Tensor,  # (B, Hkv, S, D) this layer's cache, written
+    v_cache: torch.Tensor,
+    plan: CachePlan,
+) -> torch.Tensor:
+    """Block.forward in one call -> (B, T, C). Call only where `fits`."""
+    attn, mlp = block.attn, block.mlp
+    B, T, _ = x.shape
+    out: torch.Tensor = torch.ops.eaglespec_layer.forward(
+        x,
+        block.attn_norm.weight,
+        block.mlp_norm.weight,
+        block.attn_norm.eps,
+        attn.wqkv.weight,
+        attn.wqkv.bias,
+        attn.wqkv.out_features,
+        attn.wo.weight,
+        attn.wo.bias,
+        mlp.w13.weight,
+        mlp.w13.bias,
+        mlp.w13.out_features,
+        mlp.w2.weight,
+        mlp.w2.bias,
+        *rope,
+        k_cache,
+        v_cache,
+        plan.write_index[2].view(B, T),
+        plan.num_keys,
+        plan.mask,
+        attn.cfg.num_heads,
+    )
+    return out

@@ -1,0 +1,104 @@
+"""The fused decoder layer of eager CPU w4a8 steps (model/cpu_layer.py, csrc/layer.cpp): bitwise
+the Python forward it replaces (logits, captured states, cache entries) through prefill, ragged
+one-token steps and a masked tree; speculation over it is lossless; where it steps aside.
+Skipped where the kernels cannot run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eaglespec.config import SamplingParams
+from eaglespec.draft.loader import random_eagle3
+from eaglespec.draft.proposer import Eagle3Proposer
+from eaglespec.engine import generate_speculative
+from eaglespec.generate import generate_stream
+from eaglespec.model import cpu_layer
+from eaglespec.model.llama import Transformer
+from eaglespec.model.quant import quantize_model
+from eaglespec.requests import collect_outputs
+from helpers import NullTokenizer, tiny_target
+
+pytestmark = pytest.mark.skipif(
+    cpu_layer.available() is not None, reason=f"fused layer unavailable: {cpu_layer.available()}"
+)
+V = 96
+
+
+def _target(dtype: torch.dtype, bias: bool = False) -> Transformer:
+    """Head dim 32 (the smallest the kernels take), w4a8, optionally with biases (Qwen2's q/k/v
+    bias) on every matrix."""
+    model = tiny_target(3, vocab=V, hidden=128, layers=3)
+    if bias:
+        for block in model.layers:
+            for lin in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2):
+                lin.bias = torch.nn.Parameter(torch.randn(lin.out_features) * 0.1, False)
+    return quantize_model(model.to(dtype), "w4a8")
+
+
+def _run(model: Transformer) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Prefill two ragged rows, two one-token steps, a 3-token tree, one more step: every
+    forward's logits and captured states, and the cache at the end."""
+    cache = model.new_cache(2, 32)
+    prompts = torch.tensor([[5, 17, 33, 2, 8, 1], [9, 1, 4, 0, 0, 0]])
+    outs = [model(prompts, torch.arange(6).expand(2, 6), cache).logits]
+    cache.advance([6, 3])
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+    steps = [
+        (torch.tensor([[7], [8]]), None, [1, 1]),
+        (torch.tensor([[3], [4]]), None, [1, 1]),
+        (torch.tensor([[11, 12, 13], [21, 22, 23]]), tree, [2, 1]),
+        (torch.tensor([[30], [31]]), None, [1, 1]),
+    ]
+    for ids, mask, keep in steps:
+        depth = torch.tensor([0, 1, 1])[: ids.shape[1]] if mask is not None else torch.zeros(1)
+        pos = torch.tensor(cache.lengths)[:, None] + depth.long()[None]
+        out = model(ids, pos, cache, attn_mask=mask, capture=(1, 3))
+        outs += [out.logits, *out.hidden]
+        cache.advance(keep)
+    return outs, torch.stack([cache.k, cache.v])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_layer_has_the_python_forwards_bits(
+    dtype: torch.dtype, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _target(dtype, bias)
+    block, x = model.layers[0], torch.zeros(1, 1, 128, dtype=dtype)
+    plan = model.new_cache(1, 4).plan(1)
+    assert cpu_layer.fits(block, x, model.new_cache(1, 4).k_layers[0], plan)
+    with torch.inference_mode():
+        fused, fused_cache = _run(model)
+        monkeypatch.setattr(cpu_layer, "fits", lambda *a: False)
+        python, python_cache = _run(copy.deepcopy(model))
+    for a, b in zip(fused, python, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_cache, python_cache)
+
+
+def test_speculation_over_the_fused_layer_is_lossless() -> None:
+    target = _target(torch.bfloat16)
+    prompts = [[5, 17, 33, 2, 8], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (14, 9, 20)]
+    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
+    proposer = Eagle3Proposer(random_eagle3(target, seed=1), (1, 2, 3))
+    spec = collect_outputs(
+        generate_speculative(target, proposer, NullTokenizer(), prompts, params, num_draft=3)
+    )
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_the_fused_layer_steps_aside() -> None:
+    """Gradients wanted, a q/k norm (Qwen3), or matrices of another kind: the Python forward."""
+    model = _target(torch.float32)
+    block, cache = model.layers[0], model.new_cache(1, 4)
+    plan, x = cache.plan(1), torch.zeros(1, 1, 128)
+    assert cpu_layer.fits(block, x, cache.k_layers[0], plan)
+    assert not cpu_layer.fits(block, x.requires_grad_(), cache.k_layers[0], plan)
+    plain = tiny_target(3, vocab=V, hidden=128, layers=1)
+    assert not cpu_layer.fits(plain.layers[0], torch.zeros(1, 1, 128), cache.k_layers[0], plan)
+    block.attn.q_norm = torch.nn.Identity()  # type: ignore[assignment]
+    assert not cpu_layer.fits(block, torch.zeros(1, 1, 128), cache.k_layers[0], plan)
