@@ -79,3 +79,27 @@ def tiny_target(
             for p in model.parameters():
                 p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
     return model
+
+
+# Forwards over two ragged rows after a 6-token prefill (row 1 keeps 3 entries): one-token steps,
+# a 3-token tree (a root and two siblings, each row keeping a different path length), one more
+# step. Each item: new token ids (B, T), the tree mask among them or None, entries kept per row.
+RAGGED_PROMPTS = torch.tensor([[5, 17, 33, 2, 8, 1], [9, 1, 4, 0, 0, 0]])
+RAGGED_KEEP = [6, 3]
+
+
+def ragged_steps() -> list[tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+    return [
+        (torch.tensor([[7], [8]]), None, [1, 1]),
+        (torch.tensor([[3], [4]]), None, [1, 1]),
+        (torch.tensor([[11, 12, 13], [21, 22, 23]]), tree, [2, 1]),
+        (torch.tensor([[30], [31]]), None, [1, 1]),
+    ]
+
+
+def step_positions(lengths: list[int], mask: torch.Tensor | None, num_new: int) -> torch.Tensor:
+    """RoPE positions (B, T) of a ragged step: each row's length, plus tree depths (root 0,
+    siblings 1) under a tree mask."""
+    depth = torch.tensor([0, 1, 1])[:num_new] if mask is not None else torch.zeros(1)
+    return torch.tensor(lengths)[:, None] + depth.long()[None]

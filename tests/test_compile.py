@@ -26,7 +26,16 @@ from eaglespec.model.llama import Transformer
 from eaglespec.model.quant import quantize_model
 from eaglespec.policy import DraftChoice, FixedDraft
 from eaglespec.requests import collect_outputs
-from helpers import TINY_TREE, NullTokenizer, tiny_adaptive_llm, tiny_target
+from helpers import (
+    RAGGED_KEEP,
+    RAGGED_PROMPTS,
+    TINY_TREE,
+    NullTokenizer,
+    ragged_steps,
+    step_positions,
+    tiny_adaptive_llm,
+    tiny_target,
+)
 from oracle import OracleProposer
 
 V = 96
@@ -46,24 +55,15 @@ def _compiled(model: Transformer, mode: str) -> Transformer:
 @pytest.mark.parametrize("mode", ["block", "full"])
 def test_compiled_steps_compute_the_eager_steps(eager: Transformer, mode: str) -> None:
     comp = _compiled(eager, mode)
-    prompts = torch.tensor([[5, 17, 33, 2, 8, 1], [9, 1, 4, 0, 0, 0]])
     caches = [m.new_cache(2, 32) for m in (eager, comp)]
     for m, c in zip((eager, comp), caches, strict=True):
-        m(prompts, torch.arange(6).expand(2, 6), c)  # prefill: eager in both (prefix-free)
-        c.advance([6, 3])  # ragged: row 1 keeps 3 entries
+        m(RAGGED_PROMPTS, torch.arange(6).expand(2, 6), c)  # prefill: eager in both (prefix-free)
+        c.advance(RAGGED_KEEP)  # ragged: row 1 keeps 3 entries
     # Steps of 1 token, then a 3-token tree (root, two siblings), on ragged rows.
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
-    steps = [
-        (torch.tensor([[7], [8]]), None, [1, 1]),
-        (torch.tensor([[3], [4]]), None, [1, 1]),
-        (torch.tensor([[11, 12, 13], [21, 22, 23]]), tree, [2, 1]),
-        (torch.tensor([[30], [31]]), None, [1, 1]),
-    ]
-    for ids, mask, keep in steps:
+    for ids, mask, keep in ragged_steps():
         outs = []
         for m, c in zip((eager, comp), caches, strict=True):
-            depth = torch.tensor([0, 1, 1])[: ids.shape[1]] if mask is not None else torch.zeros(1)
-            pos = torch.tensor(c.lengths)[:, None] + depth.long()[None]
+            pos = step_positions(c.lengths, mask, ids.shape[1])
             outs.append(m(ids, pos, c, attn_mask=mask, capture=(0, 2)))
             c.advance(keep)
         torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)

@@ -19,7 +19,14 @@ from eaglespec.model import cpu_layer
 from eaglespec.model.llama import Transformer
 from eaglespec.model.quant import quantize_model
 from eaglespec.requests import collect_outputs
-from helpers import NullTokenizer, tiny_target
+from helpers import (
+    RAGGED_KEEP,
+    RAGGED_PROMPTS,
+    NullTokenizer,
+    ragged_steps,
+    step_positions,
+    tiny_target,
+)
 
 pytestmark = pytest.mark.skipif(
     cpu_layer.available() is not None, reason=f"fused layer unavailable: {cpu_layer.available()}"
@@ -42,19 +49,10 @@ def _run(model: Transformer) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Prefill two ragged rows, two one-token steps, a 3-token tree, one more step: every
     forward's logits and captured states, and the cache at the end."""
     cache = model.new_cache(2, 32)
-    prompts = torch.tensor([[5, 17, 33, 2, 8, 1], [9, 1, 4, 0, 0, 0]])
-    outs = [model(prompts, torch.arange(6).expand(2, 6), cache).logits]
-    cache.advance([6, 3])
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
-    steps = [
-        (torch.tensor([[7], [8]]), None, [1, 1]),
-        (torch.tensor([[3], [4]]), None, [1, 1]),
-        (torch.tensor([[11, 12, 13], [21, 22, 23]]), tree, [2, 1]),
-        (torch.tensor([[30], [31]]), None, [1, 1]),
-    ]
-    for ids, mask, keep in steps:
-        depth = torch.tensor([0, 1, 1])[: ids.shape[1]] if mask is not None else torch.zeros(1)
-        pos = torch.tensor(cache.lengths)[:, None] + depth.long()[None]
+    outs = [model(RAGGED_PROMPTS, torch.arange(6).expand(2, 6), cache).logits]
+    cache.advance(RAGGED_KEEP)
+    for ids, mask, keep in ragged_steps():
+        pos = step_positions(cache.lengths, mask, ids.shape[1])
         out = model(ids, pos, cache, attn_mask=mask, capture=(1, 3))
         outs += [out.logits, *out.hidden]
         cache.advance(keep)
