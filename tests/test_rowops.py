@@ -97,7 +97,7 @@ def test_rope_write_has_the_bits_of_the_torch_ops(
     positions = torch.tensor([[4, 5, 5], [7, 8, 9]])
     cos, sin = rope_cos_sin(positions, rope_inv_freq(D, 10000.0, None), dtype)
     want_q = _torch_rope_write(qkv, cos, sin, caches[0], H)
-    slots = caches[1].plan(T).write_index[2].view(B, T)
+    slots = caches[1].plan(T).slots
     q = cpu_rowops.rope_write(qkv, cos, sin, caches[1].k_layers[0], caches[1].v_layers[0], slots)
     assert torch.equal(q.transpose(1, 2), want_q)
     assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)

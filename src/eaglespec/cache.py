@@ -41,6 +41,7 @@ class CachePlan:
     # Row b writes its T new entries to slots[b]: the (row, head, slot) index of one index_put,
     # shapes (B, 1, 1), (1, Hkv, 1), (B, 1, T), built once per forward for all layers.
     write_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    slots: torch.Tensor  # (B, T) int64: the same slots as one tensor (the CPU row-op kernels')
     num_keys: int  # K = max(len) + T: attention reads slots [0, K) of every row
     mask: torch.Tensor | None  # (B, 1, T, K) bool, or None (see `attention_mask`)
     prefix_free: bool  # no committed entries and no mask: plain causal attention among the new
@@ -106,8 +107,10 @@ class KVCache:
     def plan(self, num_new: int, new_mask: torch.Tensor | None = None) -> CachePlan:
         """The plan of a forward over `num_new` tokens (raises if they do not fit)."""
         self.check_room(num_new)
+        slots = self.write_slots(num_new)
         return CachePlan(
-            write_index=self._write_index(num_new),
+            write_index=self._write_index(slots),
+            slots=slots,
             num_keys=max(self.lengths) + num_new,
             mask=attention_mask(self.lengths, num_new, new_mask, self.k.device),
             prefix_free=new_mask is None and max(self.lengths) == 0,
@@ -115,15 +118,18 @@ class KVCache:
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """k_new, v_new (B, Hkv, T, D) written at each row's next T slots."""
-        index = self._write_index(k_new.shape[2])
+        index = self._write_index(self.write_slots(k_new.shape[2]))
         write_entries(self.k_layers[layer], self.v_layers[layer], index, k_new, v_new)
 
-    def _write_index(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _write_index(
+        self,
+        slots: torch.Tensor,  # (B, T) from write_slots
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(row, head, slot) index tensors that broadcast to (B, Hkv, T) (`CachePlan`)."""
         B, Hkv, dev = self.batch, self.k.shape[2], self.k.device
         rows = torch.arange(B, device=dev)[:, None, None]  # (B, 1, 1)
         heads = torch.arange(Hkv, device=dev)[None, :, None]  # (1, Hkv, 1)
-        return rows, heads, self.write_slots(num_new)[:, None, :]  # slots (B, 1, T)
+        return rows, heads, slots[:, None, :]  # slots (B, 1, T)
 
     def view(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first K slots of one layer: two (B, Hkv, K, D) views."""

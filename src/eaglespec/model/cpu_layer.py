@@ -54,9 +54,7 @@ def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) 
     T = x.shape[1]
     attn, mlp = block.attn, block.mlp
     return (
-        not torch.compiler.is_compiling()
-        and x.is_cpu
-        and x.dtype in (torch.float32, torch.bfloat16)
+        cpu_rowops.eager_cpu(x, k_cache)
         and k_cache.dtype == x.dtype
         and not (plan.prefix_free and T > 1)
         and T <= cpu_attention.MAX_QUERIES
@@ -67,7 +65,6 @@ def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) 
         and isinstance(attn.wo, w4a8.W4A8Linear)
         and isinstance(mlp.w13, w4a8.W4A8Linear)
         and isinstance(mlp.w2, w4a8.W4A8Linear)
-        and not (torch.is_grad_enabled() and x.requires_grad)
         and _load() is None
     )
 
@@ -82,7 +79,6 @@ def forward(
 ) -> torch.Tensor:
     """Block.forward in one call -> (B, T, C). Call only where `fits`."""
     attn, mlp = block.attn, block.mlp
-    B, T, _ = x.shape
     out: torch.Tensor = torch.ops.eaglespec_layer.forward(
         x,
         block.attn_norm.weight,
@@ -101,7 +97,7 @@ def forward(
         *rope,
         k_cache,
         v_cache,
-        plan.write_index[2].view(B, T),
+        plan.slots,
         plan.num_keys,
         plan.mask,
         attn.cfg.num_heads,

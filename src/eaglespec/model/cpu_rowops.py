@@ -54,10 +54,10 @@ def available() -> str | None:
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _eager_cpu(a: torch.Tensor, b: torch.Tensor) -> bool:
+def eager_cpu(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Eager, CPU, fp32 or bf16, no gradients wanted: where these kernels run (they have no
-    backward, and compiled forwards leave such ops to inductor). Asked about 90 times a SmolLM2
-    step, so spelled for speed (`is_cpu`, no generators)."""
+    backward, and compiled forwards leave such ops to inductor); cpu_layer asks it too. Asked
+    about 90 times a SmolLM2 step, so spelled for speed (`is_cpu`, no generators)."""
     return (
         not torch.compiler.is_compiling()
         and a.is_cpu
@@ -70,13 +70,13 @@ def _eager_cpu(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes this norm."""
-    return weight.dtype in (x.dtype, torch.float32) and _eager_cpu(x, weight)
+    return weight.dtype in (x.dtype, torch.float32) and eager_cpu(x, weight)
 
 
 def rope_write_fits(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel takes this rotation and cache write: a head dim divisible by 32 (the
     rotation's halves in whole 16-lane chunks), the cache in qkv's dtype."""
-    return qkv.shape[-1] % 32 == 0 and k_cache.dtype == qkv.dtype and _eager_cpu(qkv, k_cache)
+    return qkv.shape[-1] % 32 == 0 and k_cache.dtype == qkv.dtype and eager_cpu(qkv, k_cache)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -186,8 +186,7 @@ def cached_attention(
     K = plan.num_keys
     if not (plan.prefix_free and T > 1) and cpu_rowops.rope_write_fits(qkv, k_cache):
         # eager CPU decode and verification: the same bits as the ops below, in one call
-        slots = plan.write_index[2].view(B, T)
-        q = cpu_rowops.rope_write(qkv, *rope, k_cache, v_cache, slots).transpose(1, 2)
+        q = cpu_rowops.rope_write(qkv, *rope, k_cache, v_cache, plan.slots).transpose(1, 2)
         out = attend(q, k_cache[:, :, :K], v_cache[:, :, :K], plan.mask, causal=False)
         return out.transpose(1, 2).reshape(B, T, H * D)
     qk = apply_rope(qkv[:, :, : H + Hkv], *rope)  # (B, T, H + Hkv, D)

@@ -1,6 +1,6 @@
 // One decoder layer of an eager CPU decode or verification step in one call: the ops of
 // eaglespec/model/llama.py's Block.forward, in its order, for a layer whose four matrices are w4a8
-// (eaglespec/model/layer_cpu.py has the why and the measurements).
+// (eaglespec/model/cpu_layer.py has the why and the measurements).
 //
 //   h = rms_norm(x); qkv = w4a8(h) (+ bias); q = rope_write(qkv -> cache); a = attend(q, cache)
 //   x = x + w4a8(a) (+ bias); h = rms_norm(x); g, u = w4a8(h) (+ bias); x = x + w4a8(silu(g) * u)

@@ -43,21 +43,9 @@ ROWOPS_TARGET inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
-// fp32 lanes -> the first n of them stored as fp32 or bf16 (round to nearest even).
-ROWOPS_TARGET inline void store16(float* p, __m512 v, __mmask16 mask) {
-  _mm512_mask_storeu_ps(p, mask, v);
-}
-ROWOPS_TARGET inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
-  // bf16 = the high half of fp32 after adding 0x7FFF + the lowest kept bit (NaN not expected
-  // in activations; the same rounding as at::BFloat16's constructor for finite values)
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
-}
-
-// fp32 lanes rounded to T's precision and back (bf16: as store16 rounds; fp32: unchanged).
+// fp32 lanes rounded to T's precision and back, as fp32 lanes. bf16: the high half of fp32
+// after adding 0x7FFF + the lowest kept bit (round to nearest even, as at::BFloat16's
+// constructor for finite values; NaN is not expected in activations). fp32: unchanged.
 template <typename T>
 ROWOPS_TARGET inline __m512 round_to(__m512 v);
 template <>
@@ -68,6 +56,15 @@ ROWOPS_TARGET inline __m512 round_to<at::BFloat16>(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+// fp32 lanes -> the first n of them stored as fp32 or bf16 (round_to's rounding).
+ROWOPS_TARGET inline void store16(float* p, __m512 v, __mmask16 mask) {
+  _mm512_mask_storeu_ps(p, mask, v);
+}
+ROWOPS_TARGET inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round_to<at::BFloat16>(v)), 16);
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(high));
 }
 
 inline __mmask16 tail_mask(int64_t n) {
@@ -103,8 +100,9 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, doub
   });
 }
 
-// One token's q heads (to qo) and k heads (to the cache at kc, stride ks per head), rotated,
-// and its v heads copied to the cache at vc. x: the token's H + 2 Hkv heads of D values.
+// One token's q heads (to qo) and k heads (to the cache at kc, stride hs per head), rotated,
+// and its v heads copied to the cache at vc (same stride). x: the token's H + 2 Hkv heads of D
+// values; D a multiple of 32 (checked by the op).
 template <typename T>
 ROWOPS_TARGET void rope_write_token(const T* x, const T* cos, const T* sin, int64_t H,
                                     int64_t Hkv, int64_t D, T* qo, T* kc, T* vc, int64_t hs) {
@@ -114,8 +112,8 @@ ROWOPS_TARGET void rope_write_token(const T* x, const T* cos, const T* sin, int6
     T* out = h < H ? qo + h * D : kc + (h - H) * hs;
     for (int64_t d = 0; d < D; d += 16) {
       const __mmask16 mask = tail_mask(D - d);
-      // roll(x, D/2)[d] = x[(d + D/2) mod D]: one of the halves, a 16-lane chunk never straddles
-      // them when D/2 is a multiple of 16; other D take the scalar path below.
+      // roll(x, D/2)[d] = x[(d + D/2) mod D]: one of the halves; a 16-lane chunk never straddles
+      // them, D/2 being a multiple of 16.
       const int64_t src = d < half ? d + half : d - half;
       const __m512 a = round_to<T>(_mm512_mul_ps(load16(xh + d, mask), load16(cos + d, mask)));
       const __m512 b = round_to<T>(_mm512_mul_ps(load16(xh + src, mask), load16(sin + d, mask)));

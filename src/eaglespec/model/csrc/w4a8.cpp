@@ -147,10 +147,7 @@ W4A8_TARGET void block_rows(const uint8_t* blk, int64_t K, const int8_t* xq, con
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t win = 0; win < nw; ++win) {
     const int64_t g0 = win * 16;
-    const Window wd = window(ng, g0);
-    const int64_t h = wd.h;
-    const __mmask16 mask = wd.lanes;
-    const __mmask64 bytes = wd.bytes;
+    const auto [h, mask, bytes] = window(ng, g0);  // groups (lanes) in it, lane and byte masks
     const uint8_t* wp = blk + g0 * kBlockBytesPerGroup;
     const auto* sp = reinterpret_cast<const uint16_t*>(wp + 64 * h);  // scales, then minimums
     const uint16_t* mp = sp + kRows * h;
@@ -204,10 +201,7 @@ W4A8_TARGET void block_rows8(const uint8_t* blk, int64_t K, const int8_t* xq, co
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t win = 0; win < nw; ++win) {
     const int64_t g0 = win * 16;
-    const Window wd = window(ng, g0);
-    const int64_t h = wd.h;
-    const __mmask16 mask = wd.lanes;
-    const __mmask64 bytes = wd.bytes;
+    const auto [h, mask, bytes] = window(ng, g0);  // groups (lanes) in it, lane and byte masks
     const uint8_t* wp = blk + g0 * kBlockBytesPerGroup8;
     const auto* sp = reinterpret_cast<const uint16_t*>(wp + 128 * h);
     __m512 dxv[MB];
@@ -235,6 +229,17 @@ W4A8_TARGET void block_rows8(const uint8_t* blk, int64_t K, const int8_t* xq, co
   }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < kRows; ++r) store(y + m * ldy + r, _mm512_reduce_add_ps(acc[m][r]));
+}
+
+// One weight block against MB activation rows: block_rows (4-bit) or block_rows8 (8-bit), each
+// taking the per-row sums it needs (xsum for the 4-bit minimums, qsum for the 8-bit code offset).
+template <int Bits, int MB, typename T>
+void block(const uint8_t* blk, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
+           const int32_t* qsum, T* y, int64_t ldy) {
+  if constexpr (Bits == 4)
+    block_rows<MB>(blk, K, xq, dx, xsum, y, ldy);
+  else
+    block_rows8<MB>(blk, K, xq, dx, qsum, y, ldy);
 }
 
 // Weight bytes per group of 32 input features in a block of 4 output rows.
@@ -284,20 +289,12 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = wp + b * block_bytes;
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) {
-        T* ym = yp + m * N + b * kRows;
-        if constexpr (Bits == 4)
-          block_rows<2>(blk, K, qp + m * rq, dp + m * rf, sp + m * rf, ym, N);
-        else
-          block_rows8<2>(blk, K, qp + m * rq, dp + m * rf, cp + m * rf, ym, N);
-      }
-      for (; m < M; ++m) {
-        T* ym = yp + m * N + b * kRows;
-        if constexpr (Bits == 4)
-          block_rows<1>(blk, K, qp + m * rq, dp + m * rf, sp + m * rf, ym, N);
-        else
-          block_rows8<1>(blk, K, qp + m * rq, dp + m * rf, cp + m * rf, ym, N);
-      }
+      for (; m + 2 <= M; m += 2)
+        block<Bits, 2>(blk, K, qp + m * rq, dp + m * rf, sp + m * rf, cp + m * rf,
+                       yp + m * N + b * kRows, N);
+      for (; m < M; ++m)
+        block<Bits, 1>(blk, K, qp + m * rq, dp + m * rf, sp + m * rf, cp + m * rf,
+                       yp + m * N + b * kRows, N);
     }
   });
 }
