@@ -100,19 +100,45 @@ def test_int8_activations_cost_about_nothing_next_to_the_int4_weights() -> None:
     assert ours < 1.02 * int4, (ours, int4)
 
 
+# Row counts around the kernel's tiles of 8 rows and its L2 chunks (K = 576: 448 rows), odd and
+# even, up to a long prefill's.
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 65, 129, 300, 457]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
 def test_each_row_is_computed_alone(kind: type[w4a8.W4A8Linear], dtype: torch.dtype) -> None:
-    """Row b of a forward over M rows is bitwise the same row alone, for every M (the 2-row and
-    1-row paths, odd and even M), which keeps verification consistent with decode steps."""
+    """Row b of a forward over M rows is bitwise the same row alone, for every M the kernel
+    takes (tiles of 1-8 rows, several tiles, several L2 chunks), which keeps verification,
+    batched decoding and prefill consistent with one-token steps."""
     mod = kind.from_linear(_layer(960, 576, bias=True))
     torch.manual_seed(2)
-    x = torch.randn(7, 576).to(dtype)
-    alone = [mod(x[i : i + 1]) for i in range(7)]
-    for m in range(1, 8):
+    x = torch.randn(max(ROW_COUNTS), 576).to(dtype)
+    alone = torch.cat([mod(x[i : i + 1]) for i in range(len(x))])  # (M, N), one row at a time
+    for m in ROW_COUNTS:
         batch = mod(x[:m])
-        for i in range(m):
-            assert torch.equal(batch[i : i + 1], alone[i]), (m, i)
+        assert torch.equal(batch, alone[:m]), m
+        # the same rows at another offset in the batch (another tile position)
+        assert torch.equal(mod(x[m // 2 : m])[: m - m // 2], alone[m // 2 : m]), m
+
+
+@pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
+@pytest.mark.parametrize("n", [4, 6, 50, 97])
+def test_any_number_of_output_rows(kind: type[w4a8.W4A8Linear], n: int) -> None:
+    """Output rows come in blocks of 16 lanes; a matrix whose N is not a multiple of 16 is
+    padded with zero rows that are never stored (a vocabulary of any size)."""
+    layer = _layer(n, 96, bias=True)
+    mod = kind.from_linear(layer)
+    x = torch.randn(3, 96)
+    y = mod(x)
+    assert y.shape == (3, n)
+    if kind is w4a8.W4A8Linear:
+        q, s, lo = int4_codes(layer.weight.float())
+        ref = w4a8.reference(x, q, s.half(), lo.half())
+    else:
+        q, s = w4a8.int8_group_codes(layer.weight)
+        ref = w4a8.reference8(x, q, s)
+    torch.testing.assert_close(y, ref + layer.bias, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
@@ -132,17 +158,14 @@ def test_modes_replace_the_body_and_choose_the_head() -> None:
     body = quantize_model(tiny_target(0, vocab=96), "w4a8")
     assert isinstance(body.layers[0].attn.wqkv, w4a8.W4A8Linear)
     assert isinstance(body.lm_head, w4a8.W8A8Linear)
-    odd = quantize_model(tiny_target(0, vocab=97), "w4a8")  # 97 rows: not in blocks of 4
-    assert isinstance(odd.lm_head, Int8Linear)
+    odd = quantize_model(tiny_target(0, vocab=97), "w4a8")  # 97 rows: padded to 7 blocks of 16
+    assert isinstance(odd.lm_head, w4a8.W8A8Linear)
     both = quantize_model(tiny_target(0, vocab=96), "w4a8-all")
     assert isinstance(both.layers[0].mlp.w2, w4a8.W4A8Linear)
     assert isinstance(both.lm_head, w4a8.W4A8Linear)
 
 
-@pytest.mark.parametrize("shape", [(8, 48), (6, 64)])
 @pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
-def test_shapes_the_kernel_cannot_take_are_refused(
-    kind: type[w4a8.W4A8Linear], shape: tuple[int, int]
-) -> None:
-    with pytest.raises(InvalidRequestError, match="divisible by 32.*by 4"):
-        kind.from_linear(_layer(*shape, bias=False))
+def test_shapes_the_kernel_cannot_take_are_refused(kind: type[w4a8.W4A8Linear]) -> None:
+    with pytest.raises(InvalidRequestError, match=r"in_features divisible by 32, got a \(8, 48\)"):
+        kind.from_linear(_layer(8, 48, bias=False))

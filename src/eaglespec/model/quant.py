@@ -359,20 +359,11 @@ def _w4a8(linear: nn.Linear) -> nn.Module:
     return W4A8Linear.from_linear(linear)
 
 
-def _w4a8_if_it_fits(linear: nn.Linear) -> nn.Module:
-    """w4a8-all's output head: w4a8, or int8 for a vocabulary not a multiple of 4 rows."""
-    from eaglespec.model.w4a8 import ROWS
+def _w8a8(linear: nn.Linear) -> nn.Module:
+    """w4a8's output head: 8-bit weights per group of 32 (GGUF's Q8_0) against int8
+    activations, any number of rows."""
+    from eaglespec.model.w4a8 import W8A8Linear
 
-    return _w4a8(linear) if linear.weight.shape[0] % ROWS == 0 else Int8Linear.from_linear(linear)
-
-
-def _w8a8_if_it_fits(linear: nn.Linear) -> nn.Module:
-    """w4a8's output head: 8-bit weights per group of 32 (GGUF's Q8_0) against int8 activations,
-    or per-channel int8 for a vocabulary not a multiple of 4 rows."""
-    from eaglespec.model.w4a8 import ROWS, W8A8Linear
-
-    if linear.weight.shape[0] % ROWS:
-        return Int8Linear.from_linear(linear)
     return W8A8Linear.from_linear(linear)
 
 
@@ -385,8 +376,8 @@ _LAYERS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear],
     "int8": (Int8Linear.from_linear, Int8Linear.from_linear),
     "int4": (Int4Linear.from_linear, Int8Linear.from_linear),
     "int4-all": (Int4Linear.from_linear, _int4_if_it_fits),
-    "w4a8": (_w4a8, _w8a8_if_it_fits),
-    "w4a8-all": (_w4a8, _w4a8_if_it_fits),
+    "w4a8": (_w4a8, _w8a8),
+    "w4a8-all": (_w4a8, _w4a8),
 }
 HEAD_NAME = "lm_head"
 

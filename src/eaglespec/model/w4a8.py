@@ -70,8 +70,7 @@ from eaglespec.model.extension import build
 from eaglespec.model.quant import INT4_GROUP, _check_cpu, _QuantLinear, int4_codes
 
 GROUP = INT4_GROUP  # int4's groups: the codes are int4_codes'
-WINDOW = 16  # groups per window: one int32 lane per group in a 512-bit register
-ROWS = 4  # output rows per weight block
+ROWS = 16  # output rows per weight block: one per int32 lane of a 512-bit register
 
 
 @functools.cache
@@ -103,45 +102,46 @@ def require() -> None:
         raise InvalidRequestError(f"--quant w4a8: {reason}; use --quant int4")
 
 
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """(N, ...) -> (ceil(N / ROWS) * ROWS, ...), zero rows appended (the kernel never stores
+    their outputs)."""
+    pad = -t.shape[0] % ROWS
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
 def pack(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """(N, K) codes in 0..15, (N, K/G) scales and minimums -> the kernel's blocked bytes, 1-D
-    uint8 of N/4 * K/G * 80 (csrc/w4a8.cpp's header has the layout).
+    uint8 of ceil(N/16) * K/G * 320 (csrc/w4a8.cpp's header has the layout).
 
-    Output rows go in blocks of ROWS; each block is one contiguous run, so a thread reads its
-    share of the matrix as a single sequential stream. Inside a block, per window of h <= 16
-    groups: the 4 rows' codes (16h bytes each), then their h scales, then their h minimums."""
+    Output rows go in blocks of ROWS = 16, one per int32 lane; each block is one contiguous run
+    of group records, so a thread reads its share of the matrix as a single sequential stream.
+    A group record: 4 loads of 64 bytes (lane i's 4 bytes of load L hold row i's features
+    8L..8L+3 in the low nibbles and 8L+4..8L+7 in the high ones), the 16 rows' fp16 scales, then
+    their fp16 minimums."""
     N, K = q.shape
     ng = K // GROUP
-    b = q.to(torch.uint8).view(N, ng, 4, 2, 4)  # (N, group, L, nibble, byte)
-    b = b[:, :, :, 0] | (b[:, :, :, 1] << 4)  # (N, group, L, byte): 16 bytes per group
-    s16 = s.to(torch.float16).contiguous().view(torch.uint8).view(N // ROWS, ROWS, ng, 2)
-    m16 = mn.to(torch.float16).contiguous().view(torch.uint8).view(N // ROWS, ROWS, ng, 2)
-    parts = []
-    for g0 in range(0, ng, WINDOW):
-        h = min(WINDOW, ng - g0)
-        # codes (N, h, L, byte) -> (N, L, h, byte): load L of a row is 4h bytes, lane i = group i
-        codes = b[:, g0 : g0 + h].permute(0, 2, 1, 3).reshape(N // ROWS, ROWS * 16 * h)
-        scales = s16[:, :, g0 : g0 + h].reshape(N // ROWS, ROWS * 2 * h)
-        mins = m16[:, :, g0 : g0 + h].reshape(N // ROWS, ROWS * 2 * h)
-        parts += [codes, scales, mins]
-    return torch.cat(parts, 1).reshape(-1).contiguous()  # (N/4 * ng * 80,)
+    b = _pad_rows(q.to(torch.uint8)).view(-1, ROWS, ng, 4, 2, 4)  # (block, row, group, L, nib, byte)
+    b = b[:, :, :, :, 0] | (b[:, :, :, :, 1] << 4)  # (block, row, group, L, byte)
+    codes = b.permute(0, 2, 3, 1, 4).reshape(-1, ng, 4 * ROWS * 4)  # (block, group, 256)
+
+    def f16(t: torch.Tensor) -> torch.Tensor:  # (N, ng) -> (block, group, 32) bytes
+        t16 = _pad_rows(t.to(torch.float16)).view(-1, ROWS, ng).transpose(1, 2).contiguous()
+        return t16.view(torch.uint8)
+
+    return torch.cat([codes, f16(s), f16(mn)], 2).reshape(-1).contiguous()
 
 
 def pack8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """(N, K) int8 codes in -127..127 and (N, K/G) scales -> the 8-bit kernel's blocked bytes,
-    1-D uint8 of N/4 * K/G * 136 (csrc/w4a8.cpp's header has the layout): per block of ROWS
-    output rows and window of h <= 16 groups, each row's codes as 8 steps of h lanes x 4 bytes
-    (stored as q + 128), then the rows' h scales."""
+    1-D uint8 of ceil(N/16) * K/G * 544 (csrc/w4a8.cpp's header has the layout): per block of
+    ROWS output rows and group, 8 steps of 16 lanes x 4 bytes (lane i of step t: row i's
+    features 4t..4t+3, stored as q + 128), then the 16 rows' fp16 scales."""
     N, K = q.shape
     ng = K // GROUP
-    u = (q.to(torch.int16) + 128).to(torch.uint8).view(N, ng, 8, 4)  # (N, group, step, byte)
-    s16 = s.to(torch.float16).contiguous().view(torch.uint8).view(N // ROWS, ROWS, ng, 2)
-    parts = []
-    for g0 in range(0, ng, WINDOW):
-        h = min(WINDOW, ng - g0)
-        codes = u[:, g0 : g0 + h].permute(0, 2, 1, 3).reshape(N // ROWS, ROWS * 32 * h)
-        parts += [codes, s16[:, :, g0 : g0 + h].reshape(N // ROWS, ROWS * 2 * h)]
-    return torch.cat(parts, 1).reshape(-1).contiguous()  # (N/4 * ng * 136,)
+    u = (_pad_rows(q.to(torch.int16)) + 128).to(torch.uint8).view(-1, ROWS, ng, 8, 4)
+    codes = u.permute(0, 2, 3, 1, 4).reshape(-1, ng, 8 * ROWS * 4)  # (block, group, 512)
+    s16 = _pad_rows(s.to(torch.float16)).view(-1, ROWS, ng).transpose(1, 2).contiguous()
+    return torch.cat([codes, s16.view(torch.uint8)], 2).reshape(-1).contiguous()
 
 
 def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,10 +189,9 @@ def reference8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tenso
 
 
 def _check_shape(N: int, K: int) -> None:
-    if K % GROUP or N % ROWS:
+    if K % GROUP:
         raise InvalidRequestError(
-            f"w4a8 quantization needs in_features divisible by {GROUP} and out_features by "
-            f"{ROWS}, got a ({N}, {K}) weight"
+            f"w4a8 quantization needs in_features divisible by {GROUP}, got a ({N}, {K}) weight"
         )
 
 

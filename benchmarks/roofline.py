@@ -1,0 +1,133 @@
+"""The roofline of this machine for the w4a8 kernels: streaming bandwidth and VNNI peak measured
+(csrc/roofline.cpp), then every kernel's time per pass and its fraction of the binding limit at
+M activation rows.
+
+    python benchmarks/roofline.py [--shapes smollm2-135m] [--rows 1 2 3 4 8 16 32 64]
+                                  [--repeats 9] [--threads 2]
+
+Limits: a pass over a model's 4-bit decoder matrices (one copy per layer, as a decode step reads
+them: together they exceed the private caches) must at least stream its weight bytes at the
+measured bandwidth, and must at least execute M * K * N / 64 vpdpbusd at the measured VNNI peak;
+the binding limit is the larger of the two times, and "of limit" is that time over the measured
+one (1.0 would be the hardware's best). The 8-bit output head likewise, two copies used in turn.
+Bandwidth is measured over a buffer the size of the decoder's weights (what a decode step
+streams; on a VM with a large shared L3 that can be above DRAM's) and over 1 GiB (DRAM).
+Medians over --repeats after one warm-up pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from eaglespec.model import w4a8
+from eaglespec.model.extension import build
+
+# name -> (layers, [(N, K) of the fused qkv, o, fused gate/up, down], (N, K) of the output head)
+SHAPES = {
+    "smollm2-135m": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152, 576)),
+    "qwen2.5-0.5b": (24, [(1152, 896), (896, 896), (9728, 896), (896, 4864)], (151936, 896)),
+    "qwen2.5-1.5b": (28, [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)], (151936, 1536)),
+}
+HEAD_COPIES = 2
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes per second reading a buffer of nbytes once, the engine's threads."""
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    return nbytes / median_time(lambda: torch.ops.eaglespec_roofline.stream(buf), repeats)
+
+
+def vnni_peak(repeats: int) -> float:
+    """vpdpbusd per second, the engine's threads."""
+    iters = 1_000_000
+    seconds = median_time(lambda: torch.ops.eaglespec_roofline.vnni(iters), repeats)
+    return 16 * iters * torch.get_num_threads() / seconds
+
+
+def random_w4a8(n: int, k: int) -> w4a8.W4A8Linear:
+    q = torch.randint(0, 16, (n, k))
+    s = torch.rand(n, k // w4a8.GROUP) * 0.01
+    return w4a8.W4A8Linear(q, s, -8 * s)
+
+
+def random_w8a8(n: int, k: int) -> w4a8.W8A8Linear:
+    return w4a8.W8A8Linear(torch.randint(-127, 128, (n, k)), torch.rand(n, k // w4a8.GROUP) * 0.01)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32, 64])
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    w4a8.require()
+    reason = build("roofline", needs="a CPU with AVX-512 VNNI")
+    if reason is not None:
+        raise SystemExit(reason)
+    layers, shapes, head = SHAPES[args.shapes]
+    decoder = [[random_w4a8(n, k) for n, k in shapes] for _ in range(layers)]
+    heads = [random_w8a8(*head) for _ in range(HEAD_COPIES)]
+    dec_bytes = sum(lin.weight.numel() for row in decoder for lin in row)
+    head_bytes = heads[0].weight.numel()
+    dec_macs = layers * sum(n * k for n, k in shapes)  # per activation row
+    head_macs = head[0] * head[1]
+
+    bw_model = bandwidth(dec_bytes, args.repeats)
+    bw_dram = bandwidth(1 << 30, max(3, args.repeats // 3))
+    peak = vnni_peak(args.repeats)
+    print(f"{args.shapes}, {args.threads} threads")
+    print(
+        f"streaming bandwidth: {bw_model / 1e9:.1f} GB/s over {dec_bytes / 1e6:.0f} MB "
+        f"(the decoder's weights), {bw_dram / 1e9:.1f} GB/s over 1 GiB"
+    )
+    print(f"VNNI peak: {peak / 1e9:.2f} G vpdpbusd/s = {peak * 64 / 1e9:.0f} G int8 MAC/s")
+    print()
+    print("| kernel | rows M | ms | weight GB/s | G MAC/s | limit | limit ms | of limit |")
+    print("|---|---|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for m in args.rows:
+            xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
+            xh = torch.randn(m, head[1]).bfloat16()
+
+            def run_decoder() -> None:
+                for row in decoder:
+                    for lin, (_, k) in zip(row, shapes, strict=True):
+                        lin(xs[k])
+
+            def run_head() -> None:
+                for lin in heads:
+                    lin(xh)
+
+            cases = [
+                ("4-bit decoder", run_decoder, dec_bytes, dec_macs, 1, bw_model),
+                ("8-bit head", run_head, head_bytes, head_macs, HEAD_COPIES, bw_model),
+            ]
+            for name, fn, nbytes, macs, copies, bw in cases:
+                t = median_time(fn, args.repeats) / copies
+                t_mem, t_mac = nbytes / bw, m * macs / 64 / peak
+                limit, t_lim = ("memory", t_mem) if t_mem >= t_mac else ("VNNI", t_mac)
+                print(
+                    f"| {name} | {m} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
+                    f"{m * macs / t / 1e9:.0f} | {limit} | {t_lim * 1e3:.3f} | {t_lim / t:.2f} |"
+                )
+
+
+if __name__ == "__main__":
+    main()
