@@ -45,6 +45,7 @@ class CachePlan:
     num_keys: int  # K = max(len) + T: attention reads slots [0, K) of every row
     mask: torch.Tensor | None  # (B, 1, T, K) bool, or None (see `attention_mask`)
     prefix_free: bool  # no committed entries and no mask: plain causal attention among the new
+    # (on CPU `mask` then holds that causal mask too, for eaglespec's attention kernel)
 
 
 @dataclass(slots=True)
@@ -108,12 +109,20 @@ class KVCache:
         """The plan of a forward over `num_new` tokens (raises if they do not fit)."""
         self.check_room(num_new)
         slots = self.write_slots(num_new)
+        prefix_free = new_mask is None and max(self.lengths) == 0
+        mask = attention_mask(self.lengths, num_new, new_mask, self.k.device)
+        if prefix_free and num_new > 1 and self.k.device.type == "cpu":
+            # eaglespec's CPU attention takes a prefill as masked rows onto the cache, each
+            # computed as a one-token step at its position would be (layers.cached_attention):
+            # a prompt then leaves the same cache bits in one chunk or many, alone or batched.
+            t = torch.arange(num_new, device=self.k.device)
+            mask = (t[None, :] <= t[:, None]).expand(len(self.lengths), 1, num_new, num_new)
         return CachePlan(
             write_index=self._write_index(slots),
             slots=slots,
             num_keys=max(self.lengths) + num_new,
-            mask=attention_mask(self.lengths, num_new, new_mask, self.k.device),
-            prefix_free=new_mask is None and max(self.lengths) == 0,
+            mask=mask,
+            prefix_free=prefix_free,
         )
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:

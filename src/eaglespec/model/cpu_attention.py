@@ -33,7 +33,6 @@ import torch
 from eaglespec.model.extension import build
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (csrc/attention.cpp)
-MAX_QUERIES = 64  # T up to this: decode steps, verification, draft steps (prefills use SDPA)
 
 
 @functools.cache
@@ -62,13 +61,12 @@ def available() -> str | None:
 
 def fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the kernel takes this attention: CPU, fp32 or bf16, a head dim it was built for,
-    at most MAX_QUERIES query tokens."""
+    any number of query tokens (each row is computed alone)."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
         and k.dtype == q.dtype
         and q.shape[-1] in HEAD_DIMS
-        and q.shape[2] <= MAX_QUERIES
         and available() is None
     )
 

@@ -11,8 +11,8 @@ Python forward's (tests/test_cpu_layer.py); only the Python goes. Measured (Smol
 5.66 ms, two tokens 8.43 -> 6.58 ms.
 
 Taken where every piece would be taken anyway: eager (compiled forwards are one graph already),
-no gradients, fp32 or bf16, at most `cpu_attention.MAX_QUERIES` new tokens onto a cache, no
-q/k norm (Qwen3 keeps the Python forward), the four matrices `W4A8Linear`.
+no gradients, fp32 or bf16, any number of new tokens onto a cache (a CPU prefill carries its
+causal mask: cache.KVCache.plan), no q/k norm (Qwen3 keeps the Python forward), the four matrices `W4A8Linear`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from eaglespec.cache import CachePlan
 from eaglespec.model import cpu_attention, cpu_rowops, w4a8
 from eaglespec.model.extension import build
+from eaglespec.model.layers import kernel_takes
 
 if TYPE_CHECKING:
     from eaglespec.model.llama import Block
@@ -56,8 +57,7 @@ def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) 
     return (
         cpu_rowops.eager_cpu(x, k_cache)
         and k_cache.dtype == x.dtype
-        and not (plan.prefix_free and T > 1)
-        and T <= cpu_attention.MAX_QUERIES
+        and kernel_takes(plan, T)
         and k_cache.shape[-1] % 32 == 0
         and k_cache.shape[-1] in cpu_attention.HEAD_DIMS
         and attn.q_norm is None

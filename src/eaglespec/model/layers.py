@@ -169,6 +169,12 @@ def attend_fused(
     return out.to(v.dtype).reshape(B, H, T, D)
 
 
+def kernel_takes(plan: CachePlan, T: int) -> bool:
+    """Whether eaglespec's CPU attention path can take this forward: anything with a mask (a
+    prefill on CPU carries its causal one, cache.KVCache.plan) or a single new token."""
+    return plan.mask is not None or not (plan.prefix_free and T > 1)
+
+
 def cached_attention(
     qkv: torch.Tensor,  # (B, T, H + 2 Hkv, D): q, k, v heads (q, k normed if the model does)
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
@@ -184,8 +190,8 @@ def cached_attention(
     H = num_heads
     Hkv = (heads - H) // 2
     K = plan.num_keys
-    if not (plan.prefix_free and T > 1) and cpu_rowops.rope_write_fits(qkv, k_cache):
-        # eager CPU decode and verification: the same bits as the ops below, in one call
+    if kernel_takes(plan, T) and cpu_rowops.rope_write_fits(qkv, k_cache):
+        # eager CPU prefill, decode and verification: each row as a one-token step computes it
         q = cpu_rowops.rope_write(qkv, *rope, k_cache, v_cache, plan.slots).transpose(1, 2)
         out = attend(q, k_cache[:, :, :K], v_cache[:, :, :K], plan.mask, causal=False)
         return out.transpose(1, 2).reshape(B, T, H * D)

@@ -129,6 +129,18 @@ ATTN_TARGET void attend_row(const T* q, const T* k, int64_t k_stride, const T* v
   for (int d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(row[d]);  // bf16: round to nearest
 }
 
+// n when a row's mask attends exactly keys 0..n-1 (a causal prefill's rows, a padded batch's
+// steps), else -1. Such a row is computed unmasked over its first n keys: the same scores, the
+// same exp-sum (attended keys packed in order are then the keys themselves) and the same value
+// sum, bit for bit, without visiting the masked tail.
+int64_t prefix_keys(const bool* mask, int64_t stride, int64_t K) {
+  int64_t n = 0;
+  while (n < K && mask[n * stride]) ++n;
+  for (int64_t j = n; j < K; ++j)
+    if (mask[j * stride]) return -1;
+  return n;
+}
+
 template <typename T, int C>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const c10::optional<at::Tensor>& mask, double scale, at::Tensor& out) {
@@ -148,9 +160,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<float> scores(K + 16), packed(K + 16);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / (H * T_), h = (r / T_) % H, t = r % T_, g = h / G;
+      const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
+      const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
+      if (keys >= 0) row_mask = nullptr;  // a prefix of the keys: the same sums, unmasked
       attend_row<T, C>(qp + b * qs.b + h * qs.h + t * qs.r, kp + b * ks.b + g * ks.h, ks.r,
-                       vp + b * vs.b + g * vs.h, vs.r, mp == nullptr ? nullptr : mp + b * mb + t * mt,
-                       mj, K, static_cast<float>(scale), scores.data(), packed.data(),
+                       vp + b * vs.b + g * vs.h, vs.r, row_mask, mj, keys >= 0 ? keys : K,
+                       static_cast<float>(scale), scores.data(), packed.data(),
                        op + ((b * T_ + t) * H + h) * 16 * C);
     }
   });
