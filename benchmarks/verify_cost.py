@@ -30,6 +30,7 @@ import torch
 from eaglespec import LLM
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.model import cpu_attention
+from eaglespec.model.quant import quantize_model
 
 
 def time_forward(fn, repeats: int) -> float:
@@ -63,7 +64,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, model.cfg.vocab_size, (1, args.prefix), generator=gen)
     cache = model.new_cache(1, args.prefix + max(args.sizes) + 1)
-    head = random_eagle3(model, seed=0)
+    # quantized as the commands quantize a head (methods.load_speculation): its own layers in
+    # the target's mode, its shared embedding and lm_head the target's
+    head = quantize_model(random_eagle3(model, seed=0), llm.quant)
     draft_cache = head.new_cache(1, args.prefix + max(args.sizes) + 1)
     print(
         f"{args.model} {args.dtype} quant {args.quant} compile {args.compile}, "

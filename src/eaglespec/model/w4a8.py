@@ -30,13 +30,20 @@ It replaced torch's `_weight_int8pack_mm` (per-channel int8 weights, bf16 activa
 4.3 ms of a 12.5 ms eager SmolLM2 decode step for the 49,152 x 576 head, 6.6 GB/s of weights
 (torch profiler, 2 threads, 2026-11-25).
 
-Layout (`pack`): output rows in blocks of 4, each block one contiguous run of codes, scales and
-minimums, so each thread reads its share of a matrix as one sequential stream.
+Layout (`pack`): output rows in blocks of 16, one per int32 lane, each block one contiguous run
+of group records (codes, scales, minimums), so each thread reads its share of a matrix as one
+sequential stream; N is padded to a multiple of 16 with rows never stored.
 
-Row independence: every (m, n) goes through the same instructions whatever M is and however the
-output rows are split among threads, so row b of a forward over M rows is bitwise equal to the
-same row alone, as for the other kernels (tests/test_w4a8.py). Rows are computed one or two at a
-time, so the kernel's cost grows linearly with M: it is a decode and verify kernel.
+Rows: each group's weights are loaded (4 bits: unpacked) once and serve a tile of up to 8
+activation rows whose accumulators stay in registers, so extra rows cost their vpdpbusd and float
+scaling while the weights stream once; rows go in chunks that stay in L2 (long prefills). One
+kernel for every M: decode, verification, batched decoding and prefill (benchmarks/roofline.py
+measures each M against this machine's bandwidth and VNNI peak; BENCHMARKS.md).
+
+Row independence: every (m, n) goes through the same instructions in the same order whatever M
+is, whatever its tile and however the output rows are split among threads, so row b of a forward
+over M rows is bitwise equal to the same row alone, as for the other kernels (tests/test_w4a8.py,
+1 to 457 rows).
 
 Speculation over a w4a8 target: run it in bfloat16, its intended dtype (and what `--quant auto`
 picks for a 4-bit GGUF, model/precision.py). Greedy speculation reproduces plain decoding token for

@@ -51,6 +51,7 @@ constexpr int64_t kRows = 16;  // output rows per weight block: one per int32 la
 constexpr int kTile = 8;       // activation rows sharing each loaded group (accumulators in registers)
 constexpr int64_t kTaskWeights = int64_t{1} << 18;  // a second thread pays from about here (measured)
 constexpr int64_t kChunkBytes = int64_t{1} << 18;   // activation codes a pass keeps in L2
+constexpr int64_t kTaskValues = int64_t{1} << 16;   // activations a quantizing task takes at least
 
 // Weight bytes per group of 32 input features in a block of 16 output rows: the codes, then
 // fp16 scales (and fp16 minimums for 4 bits).
@@ -207,7 +208,9 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   auto* dx = reinterpret_cast<float*>(base + M * K);
   const Rows rows{base, dx, dx + M * ng, reinterpret_cast<int32_t*>(dx + 2 * M * ng), K, ng};
   const T* xin = x.data_ptr<T>();
-  at::parallel_for(0, M, std::max<int64_t>(1, kTaskWeights / 64 / K), [&](int64_t m0, int64_t m1) {
+  // On the calling thread up to kTaskValues values (a step or a verification: a parallel region
+  // costs more than the work), split among the threads beyond (prefill).
+  at::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) quantize_row(xin + m * K, rows, m);
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
