@@ -51,6 +51,7 @@ constexpr int64_t kRows = 16;  // output rows per weight block: one per int32 la
 constexpr int kTile = 8;       // activation rows sharing each loaded group (accumulators in registers)
 constexpr int64_t kTaskWeights = int64_t{1} << 18;  // a second thread pays from about here (measured)
 constexpr int64_t kChunkBytes = int64_t{1} << 18;   // activation codes a pass keeps in L2
+constexpr int64_t kPrefetch = 8192;  // bytes of weights prefetched ahead of the group at hand
 constexpr int64_t kTaskValues = int64_t{1} << 16;   // activations a quantizing task takes at least
 
 // Weight bytes per group of 32 input features in a block of 16 output rows: the codes, then
@@ -142,6 +143,11 @@ W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, int64_t ldy
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.ng; ++g) {
     const uint8_t* gp = blk + g * group_bytes(Bits);
+    // The weight stream kPrefetch bytes ahead, every line: the hardware prefetchers stop at each
+    // 4 KB page of a thread's stream, and a decode step's matrices are small (measured: a pass
+    // over SmolLM2's 120 decoder matrices and head 20-30% faster at 1-8 rows).
+    for (int64_t o = 0; o < group_bytes(Bits); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(gp + kPrefetch + o), _MM_HINT_T0);
     __m512i w[8];
     if constexpr (Bits == 4) {
       for (int L = 0; L < 4; ++L) {  // load L's low nibbles are step 2L, its high ones 2L + 1
