@@ -45,7 +45,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for b in args.batches:
         t = statistics.median(times[b])
-        print(f"| {b} | {t:.2f} | {b * args.max_tokens / t:.0f} | {b * args.max_tokens / t / one:.2f} |")
+        rate = b * args.max_tokens / t
+        print(f"| {b} | {t:.2f} | {rate:.0f} | {rate / one:.2f} |")
 
 
 if __name__ == "__main__":

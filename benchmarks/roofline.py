@@ -107,12 +107,12 @@ def main() -> None:
             xh = torch.randn(m, head[1]).bfloat16()
 
             # the ops themselves, as the fused layer calls them (no module's Python around them)
-            def run_decoder() -> None:
+            def run_decoder(xs: dict[int, torch.Tensor] = xs) -> None:
                 for row in decoder:
                     for lin, (n, k) in zip(row, shapes, strict=True):
                         torch.ops.eaglespec_w4a8.linear(xs[k], lin.weight, n)
 
-            def run_head() -> None:
+            def run_head(xh: torch.Tensor = xh) -> None:
                 for lin in heads:
                     torch.ops.eaglespec_w4a8.linear8(xh, lin.weight, head[0])
 

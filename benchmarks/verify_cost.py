@@ -6,12 +6,13 @@ EAGLE-3 draft step, on this machine.
                                      [--quant none|int8|int4] [--compile none|block|full]
                                      [--no-attention-kernel]
 
-Speculative decoding pays when verifying T tokens costs little more than decoding one: the
-speedup is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size
-runs the target over T new tokens after a committed prefix, causal among them (a chain, as the
-engine verifies it: no mask tensor, so T = 1 is exactly a decode step), then forgets them; medians
-over --repeats after a warm-up. Until session 14 every size carried a chain's tree mask, which
-made the one-token row slower than a real decode step and understated what verification adds.
+Speculative decoding pays when verifying T tokens costs little more than decoding one: the speedup
+is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size runs the
+target over T new tokens after a committed prefix, causal among them (a chain, as the engine
+verifies it: no mask tensor, so T = 1 is exactly a decode step), then forgets them; medians over
+--repeats after a warm-up round, the sizes timed round-robin. Until session 14 every size carried a
+chain's tree mask, which made the one-token row slower than a real decode step and understated what
+verification adds.
 
 --no-attention-kernel keeps eaglespec's CPU attention kernel (model/cpu_attention.py) out of the
 process, set before anything compiles: run once with and once without, each in its own process,
@@ -24,23 +25,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from eaglespec import LLM
-from eaglespec.draft.loader import random_eagle3
+from eaglespec.draft.loader import load_eagle3, random_eagle3
+from eaglespec.heads import packaged_head
 from eaglespec.model import cpu_attention
 from eaglespec.model.quant import quantize_model
-
-
-def time_forward(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1000
 
 
 def main() -> None:
@@ -64,12 +57,19 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, model.cfg.vocab_size, (1, args.prefix), generator=gen)
     cache = model.new_cache(1, args.prefix + max(args.sizes) + 1)
-    # quantized as the commands quantize a head (methods.load_speculation): its own layers in
-    # the target's mode, its shared embedding and lm_head the target's
-    head = quantize_model(random_eagle3(model, seed=0), llm.quant)
+    # the shipped head where one ships (else a random one over the whole vocabulary), quantized
+    # as the commands quantize a head (methods.load_speculation)
+    shipped = packaged_head(args.model)
+    if shipped is not None:
+        loaded = load_eagle3(str(shipped), model)
+        raw, capture = loaded.head, tuple(loaded.capture)
+    else:
+        raw = random_eagle3(model, seed=0)
+    head = quantize_model(raw, llm.quant)
     draft_cache = head.new_cache(1, args.prefix + max(args.sizes) + 1)
     print(
-        f"{args.model} {args.dtype} quant {args.quant} compile {args.compile}, "
+        f"{args.model} {args.dtype} quant {llm.quant} compile {args.compile}, "
+        f"head {shipped.name if shipped else 'random'}, "
         f"prefix {args.prefix}, threads {torch.get_num_threads()}, "
         f"attention kernel {'off' if args.no_attention_kernel else 'on'}"
     )
@@ -77,9 +77,7 @@ def main() -> None:
         out = model(prefix, torch.arange(args.prefix)[None], cache, capture=capture)
         cache.advance([args.prefix])
         feats = head.combine([h[:, :1] for h in out.hidden])  # (1, 1, C)
-        print("| draft tokens T | target forward ms | x one token | draft head step ms |")
-        print("|---|---|---|---|")
-        base = None
+        steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         for T in args.sizes:
             ids = torch.randint(0, model.cfg.vocab_size, (1, T), generator=gen)
             pos = torch.arange(args.prefix, args.prefix + T)[None]
@@ -90,10 +88,23 @@ def main() -> None:
             def draft_step(ids=ids, pos=pos, T=T) -> None:
                 head(ids, feats.expand(1, T, -1), pos - args.prefix, draft_cache)
 
-            ms = time_forward(verify, args.repeats)
-            draft_ms = time_forward(draft_step, args.repeats)
-            base = base or ms
-            print(f"| {T} | {ms:.1f} | {ms / base:.2f} | {draft_ms:.2f} |")
+            steps[T] = (verify, draft_step)
+        # sizes round-robin, repeat by repeat, so that the machine's drift (up to 1.5x over
+        # minutes on the shared VMs) falls on every size alike; the first round warms up
+        samples: dict[tuple[int, int], list[float]] = {(T, i): [] for T in steps for i in (0, 1)}
+        for rep in range(args.repeats + 1):
+            for T, fns in steps.items():
+                for i, fn in enumerate(fns):
+                    start = time.perf_counter()
+                    fn()
+                    if rep:
+                        samples[(T, i)].append(time.perf_counter() - start)
+        ms = {key: statistics.median(v) * 1000 for key, v in samples.items()}
+        base = ms[(args.sizes[0], 0)]
+        print("| draft tokens T | target forward ms | x one token | draft head step ms |")
+        print("|---|---|---|---|")
+        for T in args.sizes:
+            print(f"| {T} | {ms[(T, 0)]:.1f} | {ms[(T, 0)] / base:.2f} | {ms[(T, 1)]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from torch import nn
 
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model import w4a8
-from eaglespec.model.quant import Int4Linear, Int8Linear, int4_codes, quantize_model
+from eaglespec.model.quant import Int4Linear, int4_codes, quantize_model
 
 pytestmark = pytest.mark.skipif(
     w4a8.available() is not None, reason=f"w4a8 kernel unavailable: {w4a8.available()}"

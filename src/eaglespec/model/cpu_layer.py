@@ -10,9 +10,10 @@ Python forward's (tests/test_cpu_layer.py); only the Python goes. Measured (Smol
 100-token prefix, six interleaved runs of 30 forwards in one process, medians): one token 7.20 ->
 5.66 ms, two tokens 8.43 -> 6.58 ms.
 
-Taken where every piece would be taken anyway: eager (compiled forwards are one graph already),
-no gradients, fp32 or bf16, any number of new tokens onto a cache (a CPU prefill carries its
-causal mask: cache.KVCache.plan), no q/k norm (Qwen3 keeps the Python forward), the four matrices `W4A8Linear`.
+Taken where every piece would be taken anyway: eager (compiled forwards are one graph already), no
+gradients, fp32 or bf16, any number of new tokens onto a cache (a CPU prefill carries its causal
+mask: cache.KVCache.plan), no q/k norm (Qwen3 keeps the Python forward), the four matrices
+`W4A8Linear`.
 """
 
 from __future__ import annotations

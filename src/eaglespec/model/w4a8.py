@@ -127,7 +127,9 @@ def pack(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     their fp16 minimums."""
     N, K = q.shape
     ng = K // GROUP
-    b = _pad_rows(q.to(torch.uint8)).view(-1, ROWS, ng, 4, 2, 4)  # (block, row, group, L, nib, byte)
+    b = _pad_rows(q.to(torch.uint8)).view(
+        -1, ROWS, ng, 4, 2, 4
+    )  # (block, row, group, L, nib, byte)
     b = b[:, :, :, :, 0] | (b[:, :, :, :, 1] << 4)  # (block, row, group, L, byte)
     codes = b.permute(0, 2, 3, 1, 4).reshape(-1, ng, 4 * ROWS * 4)  # (block, group, 256)
 
