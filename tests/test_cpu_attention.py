@@ -84,12 +84,14 @@ def test_rows_are_independent(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_keys_do_not_move_the_sums(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("D", cpu_attention.HEAD_DIMS)
+def test_masked_keys_do_not_move_the_sums(dtype: torch.dtype, D: int) -> None:
     """A draft-tree node attends to the prefix and its ancestors, which sit among masked
     siblings; once accepted, those entries are moved to the front and the next one-token step
     reads them packed. Both must give the same bits, or a tree's verification can differ from
-    plain decoding (it did: a w4a8 target in bf16, 43 tokens in)."""
-    q, k, v, _ = _inputs(dtype, B=1, T=1, K=161)
+    plain decoding (it did: a w4a8 target in bf16, 43 tokens in). The packed rows are scored 16
+    keys at a time, the masked ones key by key: the same reduction tree either way."""
+    q, k, v, _ = _inputs(dtype, B=1, T=1, K=161, D=D)
     for attended in ([0, 3, 17, 40], list(range(0, 161, 7)), list(range(100)) + [130, 131, 160]):
         mask = torch.zeros(1, 1, 1, 161, dtype=torch.bool)
         mask[..., attended] = True

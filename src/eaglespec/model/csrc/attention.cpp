@@ -65,6 +65,35 @@ struct Strides {  // element strides of a (B, heads, rows, D) tensor; the last o
 
 Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+// The scores of 16 consecutive keys (unscaled q . k, fp32), in key order, bit for bit what
+// _mm512_reduce_add_ps gives for each key's accumulator: its tree (lanes i + i+8, then
+// + i+4, + i+2, + i+1) run on the 16 accumulators at once, four shuffle-and-add levels, so that
+// rows scored this way and one key at a time agree.
+template <typename T, int C>
+ATTN_TARGET inline __m512 dot16(const __m512 (&qv)[C], const T* k, int64_t k_stride) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) {
+    const T* kj = k + j * k_stride;
+    a[j] = _mm512_mul_ps(qv[0], load16(kj));
+    for (int c = 1; c < C; ++c) a[j] = _mm512_fmadd_ps(qv[c], load16(kj + 16 * c), a[j]);
+  }
+  __m512 b[8], c4[4], d[2];
+  for (int p = 0; p < 8; ++p)  // lanes i + i+8: keys 2p, 2p+1 -> 8 sums each
+    b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  for (int r = 0; r < 4; ++r)  // + i+4: keys 4r..4r+3 -> 4 sums each, one per 128-bit lane
+    c4[r] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * r], b[2 * r + 1], 0x88),
+                          _mm512_shuffle_f32x4(b[2 * r], b[2 * r + 1], 0xDD));
+  for (int t = 0; t < 2; ++t)  // + i+2: 128-bit lane L holds keys 8t+L and 8t+4+L, 2 sums each
+    d[t] = _mm512_add_ps(_mm512_shuffle_ps(c4[2 * t], c4[2 * t + 1], 0x44),
+                         _mm512_shuffle_ps(c4[2 * t], c4[2 * t + 1], 0xEE));
+  // + i+1: element 4L + m holds key L + 4m
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88),
+                                 _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
 // One query row over K keys: C = D / 16 chunks of 16 lanes. `mask` is the row's mask (stride
 // `mstride` per key) or null; `scores` and `packed` hold at least K + 16 floats each.
 template <typename T, int C>
@@ -75,7 +104,18 @@ ATTN_TARGET void attend_row(const T* q, const T* k, int64_t k_stride, const T* v
   for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float top = neg_inf;
-  for (int64_t j = 0; j < K; ++j) {
+  int64_t j0 = 0;
+  if (mask == nullptr && C <= 8) {  // 16 keys at a time (C = 16 would spill the accumulators)
+    __m512 top16 = _mm512_set1_ps(neg_inf);
+    for (; j0 + 16 <= K; j0 += 16) {
+      const __m512 s16 = _mm512_mul_ps(dot16<T, C>(qv, k + j0 * k_stride, k_stride),
+                                       _mm512_set1_ps(scale));
+      _mm512_storeu_ps(scores + j0, s16);
+      top16 = _mm512_max_ps(top16, s16);
+    }
+    top = _mm512_reduce_max_ps(top16);
+  }
+  for (int64_t j = j0; j < K; ++j) {
     if (mask != nullptr && !mask[j * mstride]) {
       scores[j] = neg_inf;
       continue;
