@@ -12,7 +12,7 @@ the binding limit is the larger of the two times, and "of limit" is that time ov
 one (1.0 would be the hardware's best). The 8-bit output head likewise, two copies used in turn.
 Bandwidth is measured over a buffer the size of the decoder's weights (what a decode step
 streams; on a VM with a large shared L3 that can be above DRAM's) and over 1 GiB (DRAM).
-Medians over --repeats after one warm-up pass.
+Medians over --repeats after one warm-up round, all cases timed round-robin.
 """
 
 from __future__ import annotations
@@ -101,33 +101,40 @@ def main() -> None:
     print()
     print("| kernel | rows M | ms | weight GB/s | G MAC/s | limit | limit ms | of limit |")
     print("|---|---|---|---|---|---|---|---|")
+    cases = []  # (kernel, rows, fn, weight bytes, MACs a row, copies per call)
+    for m in args.rows:
+        xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
+        xh = torch.randn(m, head[1]).bfloat16()
+
+        # the ops themselves, as the fused layer calls them (no module's Python around them)
+        def run_decoder(xs: dict[int, torch.Tensor] = xs) -> None:
+            for row in decoder:
+                for lin, (n, k) in zip(row, shapes, strict=True):
+                    torch.ops.eaglespec_w4a8.linear(xs[k], lin.weight, n)
+
+        def run_head(xh: torch.Tensor = xh) -> None:
+            for lin in heads:
+                torch.ops.eaglespec_w4a8.linear8(xh, lin.weight, head[0])
+
+        cases.append(("4-bit decoder", m, run_decoder, dec_bytes, dec_macs, 1))
+        cases.append(("8-bit head", m, run_head, head_bytes, head_macs, HEAD_COPIES))
+    # every case round-robin, repeat by repeat, so the machine's drift falls on all alike
+    samples: list[list[float]] = [[] for _ in cases]
     with torch.inference_mode():
-        for m in args.rows:
-            xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
-            xh = torch.randn(m, head[1]).bfloat16()
-
-            # the ops themselves, as the fused layer calls them (no module's Python around them)
-            def run_decoder(xs: dict[int, torch.Tensor] = xs) -> None:
-                for row in decoder:
-                    for lin, (n, k) in zip(row, shapes, strict=True):
-                        torch.ops.eaglespec_w4a8.linear(xs[k], lin.weight, n)
-
-            def run_head(xh: torch.Tensor = xh) -> None:
-                for lin in heads:
-                    torch.ops.eaglespec_w4a8.linear8(xh, lin.weight, head[0])
-
-            cases = [
-                ("4-bit decoder", run_decoder, dec_bytes, dec_macs, 1, bw_model),
-                ("8-bit head", run_head, head_bytes, head_macs, HEAD_COPIES, bw_model),
-            ]
-            for name, fn, nbytes, macs, copies, bw in cases:
-                t = median_time(fn, args.repeats) / copies
-                t_mem, t_mac = nbytes / bw, m * macs / 64 / peak
-                limit, t_lim = ("memory", t_mem) if t_mem >= t_mac else ("VNNI", t_mac)
-                print(
-                    f"| {name} | {m} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
-                    f"{m * macs / t / 1e9:.0f} | {limit} | {t_lim * 1e3:.3f} | {t_lim / t:.2f} |"
-                )
+        for rep in range(args.repeats + 1):
+            for i, (_, _, fn, *_rest) in enumerate(cases):
+                start = time.perf_counter()
+                fn()
+                if rep:  # the first round warms up
+                    samples[i].append(time.perf_counter() - start)
+    for (name, m, _, nbytes, macs, copies), times in zip(cases, samples, strict=True):
+        t = statistics.median(times) / copies
+        t_mem, t_mac = nbytes / bw_model, m * macs / 64 / peak
+        limit, t_lim = ("memory", t_mem) if t_mem >= t_mac else ("VNNI", t_mac)
+        print(
+            f"| {name} | {m} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
+            f"{m * macs / t / 1e9:.0f} | {limit} | {t_lim * 1e3:.3f} | {t_lim / t:.2f} |"
+        )
 
 
 if __name__ == "__main__":
