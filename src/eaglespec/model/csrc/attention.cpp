@@ -94,12 +94,15 @@ ATTN_TARGET inline __m512 dot16(const __m512 (&qv)[C], const T* k, int64_t k_str
   return _mm512_permutexvar_ps(order, e);
 }
 
-// One query row over K keys: C = D / 16 chunks of 16 lanes. `mask` is the row's mask (stride
-// `mstride` per key) or null; `scores` and `packed` hold at least K + 16 floats each.
+// One query row's softmax over K keys: C = D / 16 chunks of 16 lanes. `mask` is the row's mask
+// (stride `mstride` per key) or null; `scores` (at least K + 16 floats) receives p[j] =
+// exp(s[j] - max s), 0 where masked, and `packed` is scratch of the same size. Returns
+// 1 / sum_j p[j], or 0 for a row whose every key is masked (a zero row, never reached by the
+// engine's masks: its p are all 0, so its value sum stays 0).
 template <typename T, int C>
-ATTN_TARGET void attend_row(const T* q, const T* k, int64_t k_stride, const T* v,
-                            int64_t v_stride, const bool* mask, int64_t mstride, int64_t K,
-                            float scale, float* scores, float* packed, T* out) {
+ATTN_TARGET float softmax_row(const T* q, const T* k, int64_t k_stride, const bool* mask,
+                              int64_t mstride, int64_t K, float scale, float* scores,
+                              float* packed) {
   __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -127,9 +130,9 @@ ATTN_TARGET void attend_row(const T* q, const T* k, int64_t k_stride, const T* v
     scores[j] = s;
     top = std::max(top, s);
   }
-  if (top == neg_inf) {  // every key masked: a zero row (never reached by the engine's masks)
-    for (int64_t d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(0.0f);
-    return;
+  if (top == neg_inf) {
+    std::fill(scores, scores + K, 0.0f);
+    return 0.0f;
   }
   const __m512 top_v = _mm512_set1_ps(top);
   __m512 total_v = _mm512_setzero_ps();
@@ -154,19 +157,35 @@ ATTN_TARGET void attend_row(const T* q, const T* k, int64_t k_stride, const T* v
       total_v = _mm512_add_ps(total_v, _mm512_maskz_loadu_ps(lanes, packed + i));
     }
   }
-  const float inv_total = 1.0f / _mm512_reduce_add_ps(total_v);
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  return 1.0f / _mm512_reduce_add_ps(total_v);
+}
+
+// The value sums of NQ query rows over the same K keys (the query heads of one KV head, same
+// token): out[i] = sum_j p_i[j] v[j] * inv_total[i]. Each row's sum runs over its keys in order,
+// skipping its zero p, exactly as it would alone: sharing only saves the loads of v and lets
+// the rows' independent FMA chains overlap.
+template <typename T, int C, int NQ>
+ATTN_TARGET void value_rows(const float* const* p, const float* inv_total, const T* v,
+                            int64_t v_stride, int64_t K, T* const* out) {
+  __m512 acc[NQ][C];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < K; ++j) {
-    if (scores[j] == 0.0f) continue;  // masked (or underflowed): adds nothing
-    const __m512 p = _mm512_set1_ps(scores[j]);
     const T* vj = v + j * v_stride;
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vj + 16 * c), acc[c]);
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vj + 16 * c);
+    for (int i = 0; i < NQ; ++i) {
+      if (p[i][j] == 0.0f) continue;  // masked (or underflowed): adds nothing
+      const __m512 pj = _mm512_set1_ps(p[i][j]);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pj, vv[c], acc[i][c]);
+    }
   }
-  alignas(64) float row[16 * C];
-  for (int c = 0; c < C; ++c)
-    _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_total)));
-  for (int d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(row[d]);  // bf16: round to nearest
+  for (int i = 0; i < NQ; ++i) {
+    alignas(64) float row[16 * C];
+    for (int c = 0; c < C; ++c)
+      _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv_total[i])));
+    for (int d = 0; d < 16 * C; ++d) out[i][d] = static_cast<T>(row[d]);  // bf16: nearest
+  }
 }
 
 // n when a row's mask attends exactly keys 0..n-1 (a causal prefill's rows, a padded batch's
@@ -194,19 +213,36 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const bool* mp = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
   int64_t mb = 0, mt = 0, mj = 0;
   if (mp != nullptr) mb = mask->stride(0), mt = mask->stride(2), mj = mask->stride(3);
-  const int64_t rows = B * H * T_;
-  const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(K + 16), packed(K + 16);
+  // Tasks are (row, KV head, token): the G query heads of a KV head see the same keys and mask,
+  // so their value sums share the loads of v (value_rows).
+  const int64_t groups = B * Hkv * T_;
+  const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K * G, 1));
+  constexpr int NQ = C <= 8 ? 2 : 1;  // rows per value pass: 2 x C accumulators in registers
+  at::parallel_for(0, groups, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(G * (K + 16)), packed(K + 16), inv(G);
+    std::vector<T*> outs(G);
+    std::vector<const float*> ps(G);
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (H * T_), h = (r / T_) % H, t = r % T_, g = h / G;
+      const int64_t b = r / (Hkv * T_), g = (r / T_) % Hkv, t = r % T_;
       const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
       const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
       if (keys >= 0) row_mask = nullptr;  // a prefix of the keys: the same sums, unmasked
-      attend_row<T, C>(qp + b * qs.b + h * qs.h + t * qs.r, kp + b * ks.b + g * ks.h, ks.r,
-                       vp + b * vs.b + g * vs.h, vs.r, row_mask, mj, keys >= 0 ? keys : K,
-                       static_cast<float>(scale), scores.data(), packed.data(),
-                       op + ((b * T_ + t) * H + h) * 16 * C);
+      const int64_t n = keys >= 0 ? keys : K;
+      const T* kg = kp + b * ks.b + g * ks.h;
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t h = g * G + i;
+        float* sc = scores.data() + i * (K + 16);
+        inv[i] = softmax_row<T, C>(qp + b * qs.b + h * qs.h + t * qs.r, kg, ks.r, row_mask, mj,
+                                   n, static_cast<float>(scale), sc, packed.data());
+        ps[i] = sc;
+        outs[i] = op + ((b * T_ + t) * H + h) * 16 * C;
+      }
+      const T* vg = vp + b * vs.b + g * vs.h;
+      int64_t i = 0;
+      for (; i + NQ <= G; i += NQ)
+        value_rows<T, C, NQ>(ps.data() + i, inv.data() + i, vg, vs.r, n, outs.data() + i);
+      for (; i < G; ++i)
+        value_rows<T, C, 1>(ps.data() + i, inv.data() + i, vg, vs.r, n, outs.data() + i);
     }
   });
 }
