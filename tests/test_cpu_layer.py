@@ -131,3 +131,53 @@ def test_a_prefill_leaves_the_bits_of_one_token_steps(dtype: torch.dtype) -> Non
             logits, kv = run(chunks, rows)
             assert torch.equal(logits, whole), (chunks, rows)
             assert torch.equal(kv, whole_cache), (chunks, rows)
+
+
+def _head_run(head, feats: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A head prefill over 6 tokens, two one-token steps and a 3-token masked level (as a tree
+    draft grows): every step's logits and next state, and the head cache at the end."""
+    cache = head.new_cache(1, 32)
+    ids = torch.arange(5, 11)[None]
+    out = head(ids, feats[:, :6], torch.arange(6)[None], cache)
+    outs = [out.logits, out.prenorm]
+    cache.advance([6])
+    state = out.prenorm[:, -1:]
+    for step in range(2):
+        out = head(ids[:, :1] + step, state, torch.tensor([[6 + step]]), cache)
+        outs += [out.logits, out.prenorm]
+        cache.advance([1])
+        state = out.prenorm
+    tree = torch.tensor([[[True, False, False], [True, True, False], [True, False, True]]])
+    out = head(
+        ids[:, :3],
+        state.expand(1, 3, -1).contiguous(),
+        torch.tensor([[8, 9, 9]]),
+        cache,
+        attn_mask=tree,
+    )
+    outs += [out.logits, out.prenorm]
+    return outs, torch.stack([cache.k, cache.v])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_head_layer_has_the_python_forwards_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EAGLE-3 head quantized as the commands quantize it takes the fused op from its
+    attention input on (its first layer's input is [norm(embedding), norm(g)], 2C wide): the
+    same logits, next states and cache bits as its Python forward."""
+    target = _target(dtype)
+    head = quantize_model(random_eagle3(target, seed=2), "w4a8")
+    taken = []
+    real = cpu_layer.forward_draft
+    monkeypatch.setattr(cpu_layer, "forward_draft", lambda *a: taken.append(1) or real(*a))
+    torch.manual_seed(6)
+    feats = torch.randn(1, 6, 128).to(dtype)
+    with torch.inference_mode():
+        fused, fused_cache = _head_run(head, feats)
+        assert taken, "the fused head layer was not taken"
+        monkeypatch.setattr(cpu_layer, "fits_draft", lambda *a: False)
+        python, python_cache = _head_run(copy.deepcopy(head), feats)
+    for a, b in zip(fused, python, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_cache, python_cache)

@@ -37,6 +37,7 @@ from torch import nn
 
 from eaglespec.cache import CachePlan, KVCache
 from eaglespec.draft.config import DraftConfig
+from eaglespec.model import cpu_layer
 from eaglespec.model.layers import (
     GatedMLP,
     RMSNorm,
@@ -110,6 +111,8 @@ class MidLayer(nn.Module):
         plan: CachePlan,
     ) -> torch.Tensor:
         x, residual = self.attn_input(emb, g)
+        if cpu_layer.fits_draft(self, x, k_cache, plan):  # eager w4a8 on CPU: the ops in C++
+            return cpu_layer.forward_draft(self, x, residual, rope, k_cache, v_cache, plan)
         attn = self.attn(x, rope, k_cache, v_cache, plan)
         return self.after_attn(residual, attn)
 
@@ -147,7 +150,10 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_layernorm(x), rope, k_cache, v_cache, plan)
+        h = self.input_layernorm(x)
+        if cpu_layer.fits_draft(self, h, k_cache, plan):
+            return cpu_layer.forward_draft(self, h, x, rope, k_cache, v_cache, plan)
+        x = x + self.attn(h, rope, k_cache, v_cache, plan)
         y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return y
 

@@ -22,6 +22,7 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from eaglespec.cache import CachePlan
 from eaglespec.model import cpu_attention, cpu_rowops, w4a8
@@ -53,15 +54,24 @@ def available() -> str | None:
 
 def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
     """Whether the fused op takes this layer's forward (module doc)."""
-    T = x.shape[1]
-    attn, mlp = block.attn, block.mlp
+    return block.attn.q_norm is None and _takes(block.attn, block.mlp, x, k_cache, plan)
+
+
+def fits_draft(layer: nn.Module, h: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
+    """Whether `forward_from` takes an EAGLE-3 head layer (draft/eagle3.py's MidLayer or
+    DecoderLayer) from its attention input h (B, T, Cin) on."""
+    return _takes(layer.attn, layer.mlp, h, k_cache, plan)
+
+
+def _takes(
+    attn: nn.Module, mlp: nn.Module, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan
+) -> bool:
     return (
         cpu_rowops.eager_cpu(x, k_cache)
         and k_cache.dtype == x.dtype
-        and kernel_takes(plan, T)
+        and kernel_takes(plan, x.shape[1])
         and k_cache.shape[-1] % 32 == 0
         and k_cache.shape[-1] in cpu_attention.HEAD_DIMS
-        and attn.q_norm is None
         and isinstance(attn.wqkv, w4a8.W4A8Linear)
         and isinstance(attn.wo, w4a8.W4A8Linear)
         and isinstance(mlp.w13, w4a8.W4A8Linear)
@@ -85,6 +95,51 @@ def forward(
         block.attn_norm.weight,
         block.mlp_norm.weight,
         block.attn_norm.eps,
+        *_matrices(attn, mlp),
+        *rope,
+        k_cache,
+        v_cache,
+        plan.slots,
+        plan.num_keys,
+        plan.mask,
+        attn.cfg.num_heads,
+    )
+    return out
+
+
+def forward_draft(
+    layer: nn.Module,  # an EAGLE-3 head layer: attn, post_attention_layernorm, mlp
+    h: torch.Tensor,  # (B, T, Cin) the normed attention input
+    residual: torch.Tensor,  # (B, T, C) what attention's output is added to
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
+    k_cache: torch.Tensor,  # (B, Hkv, S, D) the head cache's layer, written
+    v_cache: torch.Tensor,
+    plan: CachePlan,
+) -> torch.Tensor:
+    """The head layer from its attention input on, in one call -> (B, T, C): the ops of
+    DraftAttention, the residual add and the MLP block, in their order. Call only where
+    `fits_draft`."""
+    attn, mlp, norm = layer.attn, layer.mlp, layer.post_attention_layernorm
+    out: torch.Tensor = torch.ops.eaglespec_layer.forward_from(
+        residual,
+        h,
+        norm.weight,
+        norm.eps,
+        *_matrices(attn, mlp),
+        *rope,
+        k_cache,
+        v_cache,
+        plan.slots,
+        plan.num_keys,
+        plan.mask,
+        attn.cfg.num_heads,
+    )
+    return out
+
+
+def _matrices(attn: nn.Module, mlp: nn.Module) -> tuple[object, ...]:
+    """The op's matrix arguments: packed weights, biases and output sizes, in its order."""
+    return (
         attn.wqkv.weight,
         attn.wqkv.bias,
         attn.wqkv.out_features,
@@ -95,12 +150,4 @@ def forward(
         mlp.w13.out_features,
         mlp.w2.weight,
         mlp.w2.bias,
-        *rope,
-        k_cache,
-        v_cache,
-        plan.slots,
-        plan.num_keys,
-        plan.mask,
-        attn.cfg.num_heads,
     )
-    return out

@@ -55,25 +55,28 @@ at::Tensor project(const at::Tensor& x2, const at::Tensor& w, const std::optiona
 
 }  // namespace
 
-// x (B, T, C); the layer's norms' weights and eps; its packed w4a8 matrices with their output
-// sizes and optional biases; cos, signed sin (B, T, 1, D); this layer's caches (B, Hkv, S, D);
-// slots (B, T); the keys to attend (K) and the mask (B, 1, T, K) or None -> x after the layer.
-at::Tensor layer_forward(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
-                         double eps, const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv,
-                         int64_t n_qkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
-                         const at::Tensor& w13, const std::optional<at::Tensor>& b13,
-                         int64_t n_13, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
-                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                         at::Tensor v_cache, const at::Tensor& slots, int64_t num_keys,
-                         const std::optional<at::Tensor>& mask, int64_t num_heads) {
+// The layer from its attention input on: h (B, T, Cin) the normed input of the q/k/v projection,
+// residual (B, T, C) what attention's output is added to; then the MLP block. Block.forward has
+// h = rms_norm(x) and residual = x; the EAGLE-3 head's first layer h = [norm(embedding),
+// norm(g)] (Cin = 2C) and residual = g or norm(g).
+at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
+                      double eps, const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv,
+                      int64_t n_qkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
+                      const at::Tensor& w13, const std::optional<at::Tensor>& b13, int64_t n_13,
+                      const at::Tensor& w2, const std::optional<at::Tensor>& b2,
+                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                      at::Tensor v_cache, const at::Tensor& slots, int64_t num_keys,
+                      const std::optional<at::Tensor>& mask, int64_t num_heads) {
   const Ops& o = ops();
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  const int64_t B = residual.size(0), T = residual.size(1), C = residual.size(2);
   const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), H = num_heads;
   TORCH_CHECK(n_qkv == (H + 2 * Hkv) * D, "layer: qkv outputs ", n_qkv, " for ", H, " + 2 x ",
               Hkv, " heads of ", D);
-  const at::Tensor x2 = x.reshape({B * T, C});
-  const at::Tensor h = o.rms_norm.call(x2, attn_norm, eps);
-  const at::Tensor qkv = project(h, wqkv, bqkv, n_qkv).view({B, T, H + 2 * Hkv, D});
+  TORCH_CHECK(h.dim() == 3 && h.size(0) == B && h.size(1) == T, "layer: attention input ",
+              h.sizes(), " for a residual of ", residual.sizes());
+  const at::Tensor x2 = residual.reshape({B * T, C});
+  const at::Tensor qkv = project(h.reshape({B * T, h.size(2)}), wqkv, bqkv, n_qkv)
+                             .view({B, T, H + 2 * Hkv, D});
   const at::Tensor q = o.rope_write.call(qkv, cos, sin, k_cache, v_cache, slots).transpose(1, 2);
   const at::Tensor keys = k_cache.narrow(2, 0, num_keys), values = v_cache.narrow(2, 0, num_keys);
   // attend returns (B, H, T, D) as a view of a contiguous (B, T, H, D): the rows wo reads
@@ -86,16 +89,41 @@ at::Tensor layer_forward(const at::Tensor& x, const at::Tensor& attn_norm, const
   return (x_attn + project(act, w2, b2, C)).view({B, T, C});
 }
 
+// x (B, T, C); the layer's norms' weights and eps; its packed w4a8 matrices with their output
+// sizes and optional biases; cos, signed sin (B, T, 1, D); this layer's caches (B, Hkv, S, D);
+// slots (B, T); the keys to attend (K) and the mask (B, 1, T, K) or None -> x after the layer.
+at::Tensor layer_forward(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
+                         double eps, const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv,
+                         int64_t n_qkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
+                         const at::Tensor& w13, const std::optional<at::Tensor>& b13,
+                         int64_t n_13, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                         at::Tensor v_cache, const at::Tensor& slots, int64_t num_keys,
+                         const std::optional<at::Tensor>& mask, int64_t num_heads) {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  const at::Tensor h = ops().rms_norm.call(x.reshape({B * T, C}), attn_norm, eps);
+  return layer_from(x, h.view({B, T, C}), mlp_norm, eps, wqkv, bqkv, n_qkv, wo, bo, w13, b13,
+                    n_13, w2, b2, cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
+}
+
 TORCH_LIBRARY(eaglespec_layer, m) {
   m.def(
       "forward(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor wqkv, Tensor? bqkv, "
       "int n_qkv, Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, Tensor w2, Tensor? b2, "
       "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_keys, "
       "Tensor? mask, int num_heads) -> Tensor");
+  m.def(
+      "forward_from(Tensor residual, Tensor h, Tensor mlp_norm, float eps, Tensor wqkv, "
+      "Tensor? bqkv, int n_qkv, Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, "
+      "Tensor w2, Tensor? b2, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slots, int num_keys, Tensor? mask, int num_heads) -> Tensor");
   m.def("supported() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) { m.impl("forward", &layer_forward); }
+TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
+  m.impl("forward", &layer_forward);
+  m.impl("forward_from", &layer_from);
+}
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CompositeExplicitAutograd, m) {
   m.impl("supported", []() { return true; });
