@@ -108,9 +108,11 @@ def attend(
 
     `causal` is only valid when K == T (no cached prefix). GQA runs without repeating K/V.
     Attention onto a cache takes one of four forms:
-    - on an AVX-512 CPU, fp32 or bf16, up to 64 queries, eager or compiled: eaglespec's kernel
-      (`cpu_attention`), row-independent (a verified token's row gets the bits of a one-token
-      step) and faster than the forms below (BENCHMARKS.md, session 14).
+    - on an AVX-512 CPU, fp32 or bf16, any number of queries, eager or compiled: eaglespec's
+      kernel (`cpu_attention`), row-independent (a verified token's or a prompt token's row gets
+      the bits of a one-token step; eager CPU prefills reach it with their causal mask, see
+      `cached_attention`) and faster than the forms below for few queries (BENCHMARKS.md,
+      sessions 14 and 17).
     - compiled elsewhere (`attend_fused`): products and sums that inductor fuses into loops of
       its own. The matmul form compiles to two extern bmm calls per layer, which cost SmolLM2's
       bf16 w4a8 chain-2 round 3.75 ms of ~16 ms (2 threads). The fused form measured 18-34%
