@@ -10,6 +10,7 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.sampling import (
     SamplingTensors,
     apply_repetition_penalty,
+    greedy_tokens,
     probs_from_logits,
     sample,
 )
@@ -93,3 +94,14 @@ def test_seeded_sampling_repeats_and_rows_are_independent() -> None:
 def test_invalid_params_are_rejected(kw) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmax_first_maximum_included(dtype: torch.dtype) -> None:
+    """torch.max's indices stand in for argmax on the greedy path: the same token for every row,
+    the first of tied maxima (bf16 logits tie often)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 1000).to(dtype)
+    logits[0, 0, [7, 400, 999]] = 50.0  # a three-way tie
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(logits)[0, 0] == 7

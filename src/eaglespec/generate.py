@@ -20,7 +20,13 @@ from eaglespec.config import SamplingParams
 from eaglespec.logprobs import TokenLogprob, to_host, token_logprobs
 from eaglespec.model.llama import ForwardOutput, Transformer
 from eaglespec.requests import RequestState, StreamEvent, account_time, append_token, new_states
-from eaglespec.sampling import SamplingTensors, apply_repetition_penalty, probs_from_logits, sample
+from eaglespec.sampling import (
+    SamplingTensors,
+    apply_repetition_penalty,
+    greedy_tokens,
+    probs_from_logits,
+    sample,
+)
 from eaglespec.tokenizer import Tokenizer
 
 
@@ -127,5 +133,5 @@ def next_tokens(
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, st.repetition_penalty)
     if st.all_greedy:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     return sample(probs_from_logits(logits, st), generators, greedy=False)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglespec.sampling import RowRandom
+from eaglespec.sampling import RowRandom, greedy_tokens
 from eaglespec.tree import DraftTree
 
 
@@ -41,7 +41,7 @@ class VerifyResult:
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     """target_logits (B, N, V) -> the longest root path whose every token is the target's argmax."""
     B, N = tree.tokens.shape
-    argmax = target_logits.argmax(-1)  # (B, N): the target's next token after each node
+    argmax = greedy_tokens(target_logits)  # (B, N): the target's next token after each node
     if tree.is_chain:
         return _verify_greedy_chain(tree, argmax)
     parent = tree.parents.clamp(min=0)
