@@ -1,5 +1,6 @@
-"""Attention of a few query tokens onto a KV cache on CPU: eaglespec's own kernel
-(csrc/attention.cpp), used by decode steps and verification forwards, eager and compiled.
+"""Attention of query tokens onto a KV cache on CPU: eaglespec's own kernel (csrc/attention.cpp),
+used by decode steps, verification forwards and (with their causal mask) eager prefills, eager
+and compiled.
 
 Dims: B batch, H / Hkv query and KV heads, G = H / Hkv, T query tokens, K keys, D head dim.
 
@@ -8,7 +9,12 @@ score as a horizontal sum and swept the keys three times (max, exp-sum, values);
 bf16 w4a8 decode on 2 cores it took about 70 us a layer at T = 1 and 130 us at T = 2 over 150
 keys, a third of a decode step and most of what a second verified token cost beyond the matmuls
 (block-compiled profile, BENCHMARKS.md session 14). This kernel walks each query row's keys
-once for the scores (AVX-512, fp32 sums) and once for the values.
+once for the scores (AVX-512, fp32 sums) and once for the values. Prefills came later (session
+17): SDPA's bits differed from the kernel's, so a prompt answered after one whole prefill and
+after the server's chunked prefill could differ at bf16 w4a8; the kernel costs 1.15-1.4x SDPA
+there (256-1024 tokens). An unmasked row scores 16 keys at a time (reduce_add_ps's tree on 16
+accumulators: the same bits as key by key), and the query heads of one KV head share the
+value pass's loads.
 
 Row independence: each query row (b, h, t) is computed alone through the same instructions
 whatever T, B and the thread split are, so a verification over T tokens gives each row the
