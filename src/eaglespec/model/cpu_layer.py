@@ -95,14 +95,7 @@ def forward(
         block.attn_norm.weight,
         block.mlp_norm.weight,
         block.attn_norm.eps,
-        *_matrices(attn, mlp),
-        *rope,
-        k_cache,
-        v_cache,
-        plan.slots,
-        plan.num_keys,
-        plan.mask,
-        attn.cfg.num_heads,
+        *_rest(attn, mlp, rope, k_cache, v_cache, plan),
     )
     return out
 
@@ -125,20 +118,21 @@ def forward_draft(
         h,
         norm.weight,
         norm.eps,
-        *_matrices(attn, mlp),
-        *rope,
-        k_cache,
-        v_cache,
-        plan.slots,
-        plan.num_keys,
-        plan.mask,
-        attn.cfg.num_heads,
+        *_rest(attn, mlp, rope, k_cache, v_cache, plan),
     )
     return out
 
 
-def _matrices(attn: nn.Module, mlp: nn.Module) -> tuple[object, ...]:
-    """The op's matrix arguments: packed weights, biases and output sizes, in its order."""
+def _rest(
+    attn: nn.Module,
+    mlp: nn.Module,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: CachePlan,
+) -> tuple[object, ...]:
+    """What both ops take after the norms, in their order: the packed matrices with biases and
+    output sizes, RoPE, the caches, the plan's slots, key count and mask, the head count."""
     return (
         attn.wqkv.weight,
         attn.wqkv.bias,
@@ -150,4 +144,11 @@ def _matrices(attn: nn.Module, mlp: nn.Module) -> tuple[object, ...]:
         mlp.w13.out_features,
         mlp.w2.weight,
         mlp.w2.bias,
+        *rope,
+        k_cache,
+        v_cache,
+        plan.slots,
+        plan.num_keys,
+        plan.mask,
+        attn.cfg.num_heads,
     )
