@@ -127,17 +127,17 @@ def pack(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     their fp16 minimums."""
     N, K = q.shape
     ng = K // GROUP
-    b = _pad_rows(q.to(torch.uint8)).view(
-        -1, ROWS, ng, 4, 2, 4
-    )  # (block, row, group, L, nib, byte)
+    b = _pad_rows(q.to(torch.uint8)).view(-1, ROWS, ng, 4, 2, 4)  # (block, row, g, L, nib, byte)
     b = b[:, :, :, :, 0] | (b[:, :, :, :, 1] << 4)  # (block, row, group, L, byte)
     codes = b.permute(0, 2, 3, 1, 4).reshape(-1, ng, 4 * ROWS * 4)  # (block, group, 256)
+    return torch.cat([codes, _f16_bytes(s), _f16_bytes(mn)], 2).reshape(-1).contiguous()
 
-    def f16(t: torch.Tensor) -> torch.Tensor:  # (N, ng) -> (block, group, 32) bytes
-        t16 = _pad_rows(t.to(torch.float16)).view(-1, ROWS, ng).transpose(1, 2).contiguous()
-        return t16.view(torch.uint8)
 
-    return torch.cat([codes, f16(s), f16(mn)], 2).reshape(-1).contiguous()
+def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """(N, K/G) scales or minimums -> (blocks, K/G, 32) bytes: per block and group, the 16 rows'
+    values as fp16, as a group record holds them."""
+    t16 = _pad_rows(t.to(torch.float16)).view(-1, ROWS, t.shape[1]).transpose(1, 2).contiguous()
+    return t16.view(torch.uint8)
 
 
 def pack8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -149,8 +149,7 @@ def pack8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     ng = K // GROUP
     u = (_pad_rows(q.to(torch.int16)) + 128).to(torch.uint8).view(-1, ROWS, ng, 8, 4)
     codes = u.permute(0, 2, 3, 1, 4).reshape(-1, ng, 8 * ROWS * 4)  # (block, group, 512)
-    s16 = _pad_rows(s.to(torch.float16)).view(-1, ROWS, ng).transpose(1, 2).contiguous()
-    return torch.cat([codes, s16.view(torch.uint8)], 2).reshape(-1).contiguous()
+    return torch.cat([codes, _f16_bytes(s)], 2).reshape(-1).contiguous()
 
 
 def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,13 @@
-// Attention of a few query tokens onto a KV cache, on x86 CPUs with AVX-512: the decode and
-// verification attention of eaglespec (eaglespec/model/cpu_attention.py has the why and the
-// measurements).
+// Attention of query tokens onto a KV cache, on x86 CPUs with AVX-512: the decode,
+// verification and (with their causal mask) eager prefill attention of eaglespec
+// (eaglespec/model/cpu_attention.py has the why and the measurements).
 //
 // out[b, h, t] = sum_j p[j] v[b, h / G, j] / sum_j p[j],   p[j] = exp(s[j] - max_j s[j]),
 // s[j] = (q[b, h, t] . k[b, h / G, j]) * scale where mask[b, t, j] (all j without a mask),
 // G = H / Hkv query heads per KV head. Scores, softmax and sums in fp32; q, k, v, out fp32 or bf16.
 //
-// Every query row (b, h, t) is computed alone, by one thread, through the same instructions
-// whatever T, B and the split among threads are, so a row of a T-token verification is bitwise
+// Every query row (b, h, t) is computed alone (the G heads of a KV head by one thread, each in
+// its own order) through the same instructions whatever T, B and the split among threads are, so a row of a T-token verification is bitwise
 // the same row computed in a one-token step over the same keys. Masked keys change nothing
 // either: a row's sums run over its attended keys in order, so a key's slot does not matter.
 

@@ -41,7 +41,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -94,9 +93,9 @@ struct Rows {
   }
 };
 
-// Row m of x (K values) -> Rows row m.
+// One row of x (K values) -> the first row of r (Rows::at the row's index).
 template <typename T>
-W4A8_TARGET void quantize_row(const T* x, const Rows& r, int64_t m) {
+W4A8_TARGET void quantize_row(const T* x, const Rows& r) {
   for (int64_t g = 0; g < r.ng; ++g) {
     const __m512 a = load16(x + g * kGroup), b = load16(x + g * kGroup + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -104,13 +103,12 @@ W4A8_TARGET void quantize_row(const T* x, const Rows& r, int64_t m) {
     // cvtps_epi32 rounds to nearest even; the saturating narrow keeps the codes in int8.
     const __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)));
     const __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, vinv)));
-    int8_t* q = r.xq + m * r.K + g * kGroup;
+    int8_t* q = r.xq + g * kGroup;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), qa);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), qb);
-    const int64_t o = m * r.ng + g;
-    r.dx[o] = amax / 127.0f;
-    r.xsum[o] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    r.qbias[o] = -128 * (_mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(qa)) +
+    r.dx[g] = amax / 127.0f;
+    r.xsum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    r.qbias[g] = -128 * (_mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(qa)) +
                          _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(qb)));
   }
 }
@@ -217,7 +215,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   // On the calling thread up to kTaskValues values (a step or a verification: a parallel region
   // costs more than the work), split among the threads beyond (prefill).
   at::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(xin + m * K, rows, m);
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xin + m * K, rows.at(m));
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
