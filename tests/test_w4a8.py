@@ -70,6 +70,26 @@ def test_8bit_kernel_computes_the_documented_math(
     torch.testing.assert_close(y.float(), ref, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("shape", [*SHAPES, (50, 96)])
+def test_dequantize_reads_back_the_packed_weight(shape: tuple[int, int]) -> None:
+    """The dense weight the kernels multiply by, read back from their blocked bytes (training
+    reads the target's output rows this way): the codes and fp16 scales exactly."""
+    n, k = shape
+    layer = _layer(n, k, bias=False)
+    q, s, lo = int4_codes(layer.weight)
+    G = w4a8.GROUP
+    want4 = q.float() * s.half().float().repeat_interleave(G, 1)
+    want4 += lo.half().float().repeat_interleave(G, 1)
+    assert torch.equal(w4a8.W4A8Linear.from_linear(layer).dequantize(), want4)
+    q8, s8 = w4a8.int8_group_codes(layer.weight)
+    want8 = q8.float() * s8.float().repeat_interleave(G, 1)
+    assert torch.equal(w4a8.W8A8Linear.from_linear(layer).dequantize(), want8)
+    # and the kernel's output is the dequantized weight's up to the int8 activation codes
+    x = torch.randn(3, k)
+    y = w4a8.W8A8Linear.from_linear(layer)(x)
+    torch.testing.assert_close(y, x @ want8.T, rtol=0.05, atol=0.05)
+
+
 def test_8bit_codes_are_a_q8_0_tensors_own() -> None:
     """Weights on GGUF's Q8_0 grid (w = d * q per group of 32, d fp16, codes reaching 127 in
     every group) come back as the same codes and scales, so the head computes the file's

@@ -279,6 +279,18 @@ class Int4Linear(_QuantLinear):
         )
 
 
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """(N, K) the weight a linear layer multiplies by: an `nn.Linear`'s own, a quantized layer's
+    dequantized (fp32). Training reads the target's output rows through it at any precision."""
+    if isinstance(layer, nn.Linear):
+        return layer.weight.detach()
+    dequantize = getattr(layer, "dequantize", None)
+    if dequantize is None:
+        raise TypeError(f"{type(layer).__name__} is not a linear layer")
+    weight: torch.Tensor = dequantize()
+    return weight
+
+
 def int4_codes(
     w: torch.Tensor,  # (N, K) fp32
     group_size: int = INT4_GROUP,

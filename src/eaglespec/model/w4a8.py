@@ -152,6 +152,37 @@ def pack8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes, _f16_bytes(s)], 2).reshape(-1).contiguous()
 
 
+def unpack(w: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, ...]:
+    """`pack`'s inverse: the blocked bytes -> (N, K) uint8 codes and (N, K/G) fp32 scales and
+    minimums."""
+    ng = K // GROUP
+    rec = w.view(-1, ng, 320)  # (block, group, record)
+    b = rec[..., :256].reshape(-1, ng, 4, ROWS, 4)  # (block, group, L, row, byte)
+    b = b.permute(0, 3, 1, 2, 4)  # (block, row, group, L, byte)
+    q = torch.stack([b & 15, b >> 4], 4)  # (block, row, group, L, nib, byte)
+    return (
+        q.reshape(-1, K)[:N],
+        _f16_values(rec[..., 256:288], N),
+        _f16_values(rec[..., 288:320], N),
+    )
+
+
+def unpack8(w: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack8`'s inverse: the blocked bytes -> (N, K) int8 codes and (N, K/G) fp32 scales."""
+    ng = K // GROUP
+    rec = w.view(-1, ng, 544)  # (block, group, record)
+    u = rec[..., :512].reshape(-1, ng, 8, ROWS, 4).permute(0, 3, 1, 2, 4)  # (block, row, g, t, b)
+    q = (u.to(torch.int16) - 128).to(torch.int8)
+    return q.reshape(-1, K)[:N], _f16_values(rec[..., 512:544], N)
+
+
+def _f16_values(b: torch.Tensor, N: int) -> torch.Tensor:
+    """(blocks, K/G, 32) bytes of a group record's fp16 field -> (N, K/G) fp32 (`_f16_bytes`'s
+    inverse)."""
+    t16 = b.contiguous().view(torch.float16)  # (blocks, K/G, ROWS)
+    return t16.transpose(1, 2).reshape(-1, b.shape[1])[:N].float()
+
+
 def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) weights -> (N, K) int8 codes in -127..127 and (N, K/G) fp16 scales, symmetric per
     group of 32 (GGUF's Q8_0): s = fp16(absmax / 127), q = round(w / s), so w ≈ s * q exactly as
@@ -244,6 +275,12 @@ class W4A8Linear(_QuantLinear):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, s, lo, bias)
 
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) fp32: q * s + mn, the weight the kernel multiplies activations by."""
+        q, s, mn = unpack(self.weight, self.out_features, self.in_features)
+        G = GROUP
+        return q.float() * s.repeat_interleave(G, 1) + mn.repeat_interleave(G, 1)
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         # (M, K) fp32 or bf16 -> (M, N) in x2's dtype
         y: torch.Tensor = torch.ops.eaglespec_w4a8.linear(x2, self.weight, self.out_features)
@@ -271,6 +308,11 @@ class W8A8Linear(_QuantLinear):
         q, s = int8_group_codes(linear.weight.detach())
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, s, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) fp32: q * s, the weight the kernel multiplies activations by."""
+        q, s = unpack8(self.weight, self.out_features, self.in_features)
+        return q.float() * s.repeat_interleave(GROUP, 1)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         # (M, K) fp32 or bf16 -> (M, N) in x2's dtype
