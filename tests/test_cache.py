@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglespec.cache import KVCache, attention_mask
+from eaglespec.cache import KVCache, attention_mask, compact_order
 
 
 def _cache(batch: int = 2, capacity: int = 16) -> KVCache:
@@ -54,6 +54,39 @@ def test_truncate_and_select_rows() -> None:
     sub = c.select_rows([2, 0])
     assert sub.lengths == [1, 1]
     assert sub.k[0, :, 0, 0, 0].tolist() == [3, 1]
+
+
+def test_compact_order_refills_gaps_from_the_end() -> None:
+    assert compact_order(6, [0, 2, 3, 4, 5]) == [0, 5, 2, 3, 4]
+    assert compact_order(6, [1, 3, 5]) == [3, 1, 5]
+    assert compact_order(4, [0, 1, 2, 3]) == [0, 1, 2, 3]
+    assert compact_order(3, [2]) == [2]
+    assert compact_order(3, []) == []
+
+
+def test_select_rows_in_compact_order_moves_only_the_movers_in_place() -> None:
+    c = _cache(batch=5)
+    for layer in range(2):
+        c.write(
+            layer,
+            _entries([[10], [11], [12], [13], [14]]),
+            _entries([[20], [21], [22], [23], [24]]),
+        )
+    c.advance([1, 1, 1, 1, 1])
+    c.lengths = [1, 2, 3, 4, 5]  # distinct, to see them follow their rows
+    rows = compact_order(5, [0, 2, 4])  # rows 1 and 3 leave: row 4 refills the gap at 1
+    assert rows == [0, 4, 2]
+    want_k = c.k[:, rows].clone()
+    want_v = c.v[:, rows].clone()
+    sub = c.select_rows(rows)
+    assert sub.k.data_ptr() == c.k.data_ptr()  # a view: nothing was reallocated
+    assert torch.equal(sub.k, want_k) and torch.equal(sub.v, want_v)
+    assert sub.lengths == [1, 5, 3] and sub.batch == 3
+    assert [t.is_contiguous() for t in sub.k_layers] == [True, True]  # what the kernels read
+    # Another order copies, and leaves the cache it came from as it was.
+    again = sub.select_rows([2, 0])
+    assert again.k.data_ptr() != sub.k.data_ptr()
+    assert torch.equal(again.k, want_k[:, [2, 0]]) and torch.equal(sub.k, want_k)
 
 
 def test_attention_mask_prefix_causal_and_padding() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eaglespec.cache import KVCache
+from eaglespec.cache import KVCache, compact_order
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer, TreeProposer
 from eaglespec.errors import InvalidRequestError
@@ -273,8 +273,11 @@ class BatchRunner:
         return dropped
 
     def _keep(self, rows: list[int]) -> None:
+        """Only these rows (increasing) stay; rows from the end refill the gaps
+        (cache.compact_order), so a departure moves a few rows, not the whole cache."""
         if len(rows) == len(self.seqs):
             return
+        rows = compact_order(len(self.seqs), rows)
         self.seqs = [self.seqs[r] for r in rows]
         assert self.batch is not None
         self.batch = self.batch.select(self.proposer, rows) if rows else None

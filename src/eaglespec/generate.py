@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from eaglespec.cache import KVCache
+from eaglespec.cache import KVCache, compact_order
 from eaglespec.config import SamplingParams
 from eaglespec.logprobs import TokenLogprob, to_host, token_logprobs
 from eaglespec.model.llama import ForwardOutput, Transformer
@@ -68,6 +68,7 @@ def generate_stream(
         if not keep:
             return
         if len(keep) < len(active):
+            keep = compact_order(len(active), keep)  # rows from the end refill the gaps
             active = [active[r] for r in keep]
             cache = cache.select_rows(keep)
             rows = torch.tensor(keep, device=device)
