@@ -60,17 +60,50 @@ def test_greedy_rows_are_one_hot_in_a_mixed_batch() -> None:
     torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))
 
 
-def test_exponential_race_draws_from_the_distribution() -> None:
-    """Chi-square goodness of fit of 40k draws against p (fixed seed, 8 categories)."""
-    p = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+def test_draws_follow_the_distribution_and_never_a_zero() -> None:
+    """Chi-square goodness of fit of 40k draws against p (fixed seed, 8 categories; zeros
+    between them and at both ends are never drawn)."""
+    p = torch.tensor([0.0, 0.3, 0.2, 0.15, 0.0, 0.1, 0.1, 0.08, 0.05, 0.02, 0.0])
     n = 40_000
     gen = torch.Generator().manual_seed(3)
     draws = torch.cat(
-        [sample(p.expand(1000, 8), [gen] * 1000, greedy=False) for _ in range(n // 1000)]
+        [sample(p.expand(1000, 11), [gen] * 1000, greedy=False) for _ in range(n // 1000)]
     )
-    counts = torch.bincount(draws, minlength=8).double()
+    counts = torch.bincount(draws, minlength=11).double()
+    assert counts[p == 0].sum() == 0
+    counts, p = counts[p > 0], p[p > 0]
     chi2 = (((counts - n * p) ** 2) / (n * p)).sum().item()
     assert chi2 < 24.3, f"chi-square {chi2:.1f} above the p=0.001 critical value for 7 dof"
+
+
+@pytest.mark.parametrize(
+    "kw,warpers",
+    [
+        ({"temperature": 1.0, "top_p": 0.99}, lambda: [lp.TopPLogitsWarper(0.99)]),
+        ({"temperature": 0.8, "top_k": 2000}, lambda: [lp.TopKLogitsWarper(2000)]),
+        (
+            {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
+            lambda: [lp.TopKLogitsWarper(50), lp.TopPLogitsWarper(0.9)],
+        ),
+        ({"temperature": 1.0, "min_p": 0.02}, lambda: [lp.MinPLogitsWarper(0.02)]),
+    ],
+)
+def test_filters_over_a_large_vocabulary_match_transformers(kw, warpers) -> None:
+    """Past `CANDIDATES` tokens only a row's best candidates are sorted, unless its filters
+    reach past them (flat rows, a top-k above them): peaked and flat rows in one batch."""
+    V = 5000
+    gen = torch.Generator().manual_seed(5)
+    logits = (
+        torch.randn(6, V, generator=gen) * torch.tensor([12.0, 8.0, 0.5, 10.0, 0.2, 6.0])[:, None]
+    )
+    st = SamplingTensors.from_params([SamplingParams(**kw)] * 6)  # type: ignore[arg-type]
+    ours = probs_from_logits(logits, st)
+    ref = logits / kw["temperature"]
+    for w in warpers():
+        ref = w(None, ref)
+    want = torch.softmax(ref, -1)
+    assert torch.equal(ours > 0, want > 0)  # the same tokens kept, row by row
+    torch.testing.assert_close(ours, want)
 
 
 def test_seeded_sampling_repeats_and_rows_are_independent() -> None:

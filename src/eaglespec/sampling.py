@@ -2,9 +2,9 @@
 
 Dims: B batch rows, V vocabulary.
 Order of processing as in transformers' `generate`: repetition penalty, temperature, top-k, top-p,
-min-p. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly
-from p without a cumulative sum or a host sync; each row draws its noise from its own
-`torch.Generator` so seeded requests repeat bitwise whatever else is in the batch.
+min-p. Sampling draws one uniform per row and takes the first token whose cumulative probability
+exceeds it (no host sync); each row draws from its own `torch.Generator` so seeded requests
+repeat bitwise whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -112,21 +112,63 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     return torch.where(greedy[:, None], one_hot, probs)
 
 
+CANDIDATES = 1024  # the top tokens the filters look at before sorting a whole row
+
+
 def _filter(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Mask to -inf every token outside a row's top-k, top-p nucleus or min-p floor."""
+    """Mask to -inf every token outside a row's top-k, top-p nucleus or min-p floor.
+
+    The filters keep a prefix of a row sorted by probability. Usually it ends among the top
+    CANDIDATES tokens (a top-k within them, or a nucleus or min-p floor reached there), and only
+    those are sorted: a full sort of 64 rows of a 49K vocabulary cost 136 ms a step on the 2-core
+    CPU, three times the forward. The rows where it does not are sorted whole."""
     B, V = scaled.shape
+    k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, V))  # (B,)
+    R = min(CANDIDATES, V)
+    if R == V:
+        return scaled.masked_fill(_sorted_mask(scaled, k, st), -torch.inf)
+    top, order = scaled.topk(R, dim=-1)  # (B, R) descending
+    small_k = k <= R  # (B,) the top-k's own softmax is within the candidates
+    lse = torch.where(small_k, _top_k_lse(top, k), scaled.logsumexp(-1))  # (B,)
+    drop, p = _drop_sorted(top, k, lse, st)
+    mask = torch.ones_like(scaled, dtype=torch.bool).scatter_(1, order, drop)  # (B, V)
+    nucleus = (st.top_p < 1) & (p.sum(-1) >= st.top_p)  # (B,) reached among the candidates
+    ends = small_k | nucleus | (p[:, -1] < st.min_p * p[:, 0])  # (B,)
+    if not bool(ends.all()):  # sync: one per sampled step, to find rows that need a full sort
+        rows = (~ends).nonzero()[:, 0]  # sync
+        mask[rows] = _sorted_mask(scaled[rows], k[rows], st.select(rows))
+    return scaled.masked_fill(mask, -torch.inf)
+
+
+def _sorted_mask(scaled: torch.Tensor, k: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The filters' mask from whole sorted rows: (B, V) logits, (B,) top-k -> (B, V) bool."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(V, device=scaled.device)[None, :]  # (1, V)
-    k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, V))[:, None]
-    drop = rank >= k
-    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop, _ = _drop_sorted(sorted_logits, k, _top_k_lse(sorted_logits, k), st)
+    return torch.empty_like(drop).scatter_(1, order, drop)
+
+
+def _top_k_lse(sorted_logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """(B, R) descending logits, (B,) top-k -> (B,) log-sum-exp of each row's first k."""
+    rank = torch.arange(sorted_logits.shape[1], device=sorted_logits.device)[None, :]  # (1, R)
+    return sorted_logits.masked_fill(rank >= k[:, None], -torch.inf).logsumexp(-1)
+
+
+def _drop_sorted(
+    sorted_logits: torch.Tensor,  # (B, R) a row's R most likely tokens' logits, descending
+    k: torch.Tensor,  # (B,) top-k (V when off)
+    lse: torch.Tensor,  # (B,) log of the softmax's normalizer (over the top-k when it is on)
+    st: SamplingTensors,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, R) which of them the filters drop, and their probabilities (0 outside the top-k)."""
+    rank = torch.arange(sorted_logits.shape[1], device=sorted_logits.device)[None, :]  # (1, R)
+    drop = rank >= k[:, None]
+    p = (sorted_logits - lse[:, None]).exp().masked_fill(drop, 0.0)  # (B, R)
     # Nucleus: keep a token while the mass strictly before it is < top_p (the first always stays).
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    drop |= mass_before >= st.top_p[:, None]
-    drop |= sorted_probs < st.min_p[:, None] * sorted_probs[:, :1]
+    mass_before = p.cumsum(-1) - p  # may round up to 1 in a long tail: top_p = 1 is off
+    drop |= (mass_before >= st.top_p[:, None]) & (st.top_p[:, None] < 1)
+    drop |= p < st.min_p[:, None] * p[:, :1]
     drop[:, 0] = False
-    mask = torch.empty_like(drop).scatter_(1, order, drop)
-    return scaled.masked_fill(mask, float("-inf"))
+    return drop, p
 
 
 class RowRandom:
@@ -150,17 +192,15 @@ class RowRandom:
         return torch.stack([torch.rand(n, device=device, generator=g) for g in gens])
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs (B, V) -> tokens (B,) int64 by the exponential race: argmax(p / E), E ~ Exp(1)
-        i.i.d., picks token i with probability p_i (no cumulative sum, no host sync)."""
-        noise = torch.empty_like(probs)
-        if not self._per_row:
-            gen = self._generators
-            assert gen is None or isinstance(gen, torch.Generator)
-            noise.exponential_(1.0, generator=gen)
-        else:
-            for row, g in enumerate(self._generators):  # type: ignore[arg-type]
-                noise[row].exponential_(1.0, generator=g)
-        return (probs / noise).argmax(-1)
+        """probs (B, V) -> tokens (B,) int64 by inverse transform: the first token whose
+        cumulative probability exceeds u * total, u ~ U[0, 1), one draw per row (no host sync).
+        A token of probability 0 adds nothing to the sum, so it is never drawn. (An
+        exponential race, argmax p / E, needs a draw per token: 60 ms a step for 64 rows of a
+        49K vocabulary on the 2-core CPU, against 1-2 ms for this.)"""
+        cdf = probs.cumsum(-1)  # (B, V)
+        u = self.uniform(probs.shape[0], 1, probs.device) * cdf[:, -1:]  # (B, 1)
+        tokens = torch.searchsorted(cdf, u, right=True)  # (B, 1)
+        return tokens.clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 def sample(
