@@ -78,7 +78,17 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="stop regenerating once this many responses exist (batches run in a seeded random "
         "order, so they are a sample of the whole mix)",
     )
-    g.add_argument("--target-dtype", default="bfloat16", help="target dtype for regen and capture")
+    g.add_argument(
+        "--target-dtype",
+        default="auto",
+        help="target dtype for answering, capture and evaluation; auto = as the commands run it",
+    )
+    g.add_argument(
+        "--target-quant",
+        default="auto",
+        help="target weights (none, int8, int4, w4a8, auto); auto = as the commands run it "
+        "(a 4-bit GGUF as w4a8)",
+    )
     g = p.add_argument_group("head")
     g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size; 0 = full")
     g.add_argument("--capture", metavar="B1,B2,B3", help="boundary ids; default 2,N//2,N-3")
@@ -132,6 +142,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab,
         capture=tuple(int_list(args.capture, "--capture")) if args.capture else None,
         target_dtype=args.target_dtype,
+        target_quant=args.target_quant,
         device=args.device,
         heldout=args.heldout,
         eval_prompts=args.eval_prompts,

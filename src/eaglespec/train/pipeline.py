@@ -31,10 +31,12 @@ from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model.loader import LoadedModel, load_model, parse_dtype
+from eaglespec.model.quant import dense_weight
 from eaglespec.registry import resolve_model
 from eaglespec.requests import collect_outputs
 from eaglespec.train.data import read_all, with_variants
 from eaglespec.train.features import FeatureShard, capture_features, load_shard, shard_paths
+from eaglespec.train.meter import Meter
 from eaglespec.train.regen import RegenConfig, Sample, read_samples, regenerate
 from eaglespec.train.synth import SynthConfig, summary_prompts, synthesize_prompts
 from eaglespec.train.trainer import StepStats, TrainConfig, evaluate, train, world
@@ -58,7 +60,11 @@ class PipelineConfig:
     init_from: Path | None = None  # a head to continue training (weights; vocabulary rebuilt)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
     capture: tuple[int, ...] | None = None  # boundary ids; default (2, N//2, N-3)
-    target_dtype: str = "bfloat16"  # regeneration and capture
+    # The target for answering, capture and the held-out evaluation, at the precision the
+    # commands run it ("auto": a 4-bit GGUF as w4a8 in bf16), so the head learns the states and
+    # greedy choices of the model that verifies its drafts.
+    target_dtype: str = "auto"
+    target_quant: str = "auto"
     device: str = "cpu"
     heldout: float = 0.02  # share of conversations held out (by source, never trained on)
     eval_prompts: int = 24  # held-out prompts decoded with the real engine at the end
@@ -80,12 +86,17 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     work.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"config": _jsonable(asdict(cfg)), "world_size": size}
     times: dict[str, float] = {}
+    rates: dict[str, dict[str, Any]] = {}  # each stage's throughput (meter.py)
     target = load_model(
         resolve_model(cfg.target, progress=progress and rank == 0),
         dtype=cfg.target_dtype,
+        quant=cfg.target_quant,
         device=cfg.device,
     )
+    report["target_precision"] = asdict(target.precision)
+    log(f"target: {target.precision.dtype} {target.precision.quant}")
     tcfg = target.config
+    head_weight = dense_weight(target.model.lm_head)  # (V, Ct) the target's output rows
     capture = resolve_capture_layers(DraftConfig.like_target(tcfg), tcfg.num_layers, cfg.capture)
     report["capture"] = list(capture)
     # The head to continue is loaded and checked before regeneration, not after an hour of it.
@@ -98,20 +109,22 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         convs = read_all(cfg.data) if cfg.limit_per_file is None else _limited(cfg)
         convs = with_variants(convs, dict(cfg.variants))
         if cfg.synth.prompts:
+            meter = Meter("synth", "prompts", log, total=cfg.synth.prompts)
             synth = synthesize_prompts(
                 target.model,
                 target.tokenizer,
                 work / "synth_prompts.jsonl",
                 cfg.synth,
-                on_batch=_counter(log, "synth", "prompts"),
+                on_batch=meter.add,
             )
+            rates["synth"] = meter.result()
             report["synth_prompts"] = len(synth)
             convs += synth
         log(f"regen: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} user turns")
         responses = work / "responses.jsonl"
-        regen_log = _counter(log, "regen", "turns")
+        meter = Meter("regen", "turns", log)
         summary = regenerate(
-            target.model, target.tokenizer, convs, responses, cfg.regen, on_batch=regen_log
+            target.model, target.tokenizer, convs, responses, cfg.regen, on_batch=meter.add
         )
         if cfg.summaries:
             extra = summary_prompts(
@@ -124,14 +137,15 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
             log(f"regen: {len(extra)} summaries of the target's own answers")
             uncapped = replace(cfg.regen, max_samples=None)
             summary = regenerate(
-                target.model, target.tokenizer, extra, responses, uncapped, on_batch=regen_log
+                target.model, target.tokenizer, extra, responses, uncapped, on_batch=meter.add
             )
+        rates["regen"] = meter.result()
         report["regen"] = asdict(summary)
         log(f"regen: {summary.samples} responses, {summary.response_tokens} tokens")
     _barrier()
     times["regen"] = time.perf_counter() - t
     if cfg.stop_after == "regen":
-        return _finish(cfg, report, times)
+        return _finish(cfg, report, times, rates)
 
     samples = read_samples(work / "responses.jsonl")
     train_s, held_s = split_heldout(samples, cfg.heldout)
@@ -149,24 +163,20 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
 
     t = time.perf_counter()
     if rank == 0:
-        capture_features(
-            target.model,
-            samples,
-            capture,
-            work / "features",
-            on_batch=_counter(log, "features", "samples"),
-        )
+        meter = Meter("features", "samples", log, total=len(samples))
+        capture_features(target.model, samples, capture, work / "features", on_batch=meter.add)
+        rates["features"] = meter.result()
     _barrier()
     times["features"] = time.perf_counter() - t
     if cfg.stop_after == "features":
-        return _finish(cfg, report, times)
+        return _finish(cfg, report, times, rates)
 
     t = time.perf_counter()
     shards = [load_shard(p) for p in shard_paths(work / "features")]
     by_key = {k: s.sample(i) for s in shards for i, k in enumerate(s.keys)}
     train_f = [by_key[s.key] for s in train_s if s.key in by_key]
     held_f = [by_key[s.key] for s in held_s if s.key in by_key]
-    head = build_head(target, vocab, len(capture), cfg.device)
+    head = build_head(target, head_weight, vocab, len(capture), cfg.device)
     if init is not None:
         rows = init_head(head, init, capture)
         log(
@@ -175,17 +185,19 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         )
     curve: list[dict[str, Any]] = []
     heldout_curve: list[dict[str, Any]] = []
+    meter = Meter("train", "steps", log, every=60.0)
     history = train(
         head,
         train_f,
         vocab,
-        target.model.lm_head.weight,
+        head_weight,
         cfg.train,
         checkpoint=work / "checkpoint.pt",
-        on_step=_step_logger(log, curve),
-        on_epoch=_epoch_eval(log, heldout_curve, head, held_f, vocab, target, cfg),
+        on_step=_step_logger(log, curve, meter, cfg.train.ttt_steps),
+        on_epoch=_epoch_eval(log, heldout_curve, head, held_f, vocab, head_weight, cfg),
     )
     times["train"] = time.perf_counter() - t
+    rates["train"] = {**meter.result(), "tokens_are": "positions x unrolled steps"}
     report["train"] = {"steps": len(history), "curve": curve, "heldout": heldout_curve}
     if rank == 0:
         save_eagle3(
@@ -197,12 +209,12 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         )
         log(f"saved the head to {cfg.out}")
     if cfg.stop_after == "train" or rank != 0:
-        return _finish(cfg, report, times)
+        return _finish(cfg, report, times, rates)
 
     t = time.perf_counter()
-    report["heldout_acceptance"] = heldout_acceptance(cfg, held_s, log)
+    report["heldout_acceptance"] = heldout_acceptance(cfg, target, held_s, log)
     times["eval"] = time.perf_counter() - t
-    return _finish(cfg, report, times)
+    return _finish(cfg, report, times, rates)
 
 
 def split_heldout(samples: Sequence[Sample], share: float) -> tuple[list[Sample], list[Sample]]:
@@ -215,7 +227,13 @@ def split_heldout(samples: Sequence[Sample], share: float) -> tuple[list[Sample]
     return train_s, held_s
 
 
-def build_head(target: LoadedModel, vocab: DraftVocab, num_aux: int, device: str) -> Eagle3Head:
+def build_head(
+    target: LoadedModel,
+    head_weight: torch.Tensor,  # (V, Ct) the target's output rows (quant.dense_weight)
+    vocab: DraftVocab,
+    num_aux: int,
+    device: str,
+) -> Eagle3Head:
     """A fresh fp32 head shaped like the target: the target's embedding (frozen, an fp32 copy),
     lm_head initialised from the target's rows of the draft vocabulary and `norm` from the
     target's final norm (the head starts out reading its state the way the target does)."""
@@ -228,7 +246,7 @@ def build_head(target: LoadedModel, vocab: DraftVocab, num_aux: int, device: str
     head.shares_embed = True  # the target's embedding: never saved with the head
     with torch.no_grad():
         assert isinstance(head.lm_head, nn.Linear) and head.norm is not None
-        head.lm_head.weight.copy_(model.lm_head.weight.detach()[vocab.ids].float())
+        head.lm_head.weight.copy_(head_weight[vocab.ids].float())
         head.norm.weight.copy_(model.norm.weight.detach().float())
         head.d2t.copy_(vocab.d2t)
     return head
@@ -286,13 +304,15 @@ def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> in
     return len(pairs)
 
 
-def heldout_acceptance(cfg: PipelineConfig, held: Sequence[Sample], log: Log) -> dict[str, Any]:
-    """Greedy chain decoding of held-out first turns with the saved head on an fp32 target, as
-    `eaglespec generate --draft OUT` runs it: tokens per target forward (the bonus included)."""
+def heldout_acceptance(
+    cfg: PipelineConfig, target: LoadedModel, held: Sequence[Sample], log: Log
+) -> dict[str, Any]:
+    """Greedy chain decoding of held-out first turns with the saved head on the target as the
+    pipeline loaded it (the commands' precision by default), as `eaglespec generate --draft OUT`
+    runs it: tokens per target forward (the bonus included)."""
     prompts = [s.prompt for s in held if s.key.endswith("#0")][: cfg.eval_prompts]
     if not prompts:
         return {"prompts": 0}
-    target = load_model(resolve_model(cfg.target, progress=False), device=cfg.device)
     loaded = load_eagle3(cfg.out, target.model)
     proposer = Eagle3Proposer(loaded.head, loaded.capture)
     params = SamplingParams(max_tokens=cfg.eval_max_tokens)
@@ -325,10 +345,13 @@ def heldout_acceptance(cfg: PipelineConfig, held: Sequence[Sample], log: Log) ->
     return result
 
 
-def _step_logger(log: Log, curve: list[dict[str, Any]]) -> Callable[[StepStats], None]:
+def _step_logger(
+    log: Log, curve: list[dict[str, Any]], meter: Meter, ttt_steps: int
+) -> Callable[[StepStats], None]:
     rank, _ = world()
 
     def on_step(s: StepStats) -> None:
+        meter.add(1, s.positions * ttt_steps)
         curve.append(
             {
                 "step": s.step,
@@ -354,7 +377,7 @@ def _epoch_eval(
     head: Eagle3Head,
     held: Sequence[FeatureShard],
     vocab: DraftVocab,
-    target: LoadedModel,
+    head_weight: torch.Tensor,
     cfg: PipelineConfig,
 ) -> Callable[[int], None]:
     """Held-out training-time-test metrics after each epoch (rank 0)."""
@@ -362,7 +385,7 @@ def _epoch_eval(
     def on_epoch(epoch: int) -> None:
         if world()[0] != 0:
             return
-        m = evaluate(head, held, vocab, target.model.lm_head.weight, cfg.train)
+        m = evaluate(head, held, vocab, head_weight, cfg.train)
         curve.append({"epoch": epoch, **m})
         if m:
             log(f"epoch {epoch} held-out: acc {m['acc'][:4]} proxy {m['accept_proxy']:.2f}")
@@ -377,19 +400,6 @@ def _limited(cfg: PipelineConfig) -> list[Any]:
     return out
 
 
-def _counter(log: Log, stage: str, unit: str) -> Callable[[int, int], None]:
-    done = [0, 0]
-    start = time.perf_counter()
-
-    def on_batch(n: int, tokens: int) -> None:
-        done[0] += n
-        done[1] += tokens
-        rate = done[1] / max(time.perf_counter() - start, 1e-9)
-        log(f"{stage}: {done[0]} {unit}, {done[1]} tokens ({rate:.0f} tokens/s)")
-
-    return on_batch
-
-
 def _init_distributed(device: str) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
@@ -402,8 +412,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _finish(cfg: PipelineConfig, report: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
+def _finish(
+    cfg: PipelineConfig,
+    report: dict[str, Any],
+    times: dict[str, float],
+    rates: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     report["seconds"] = {k: round(v, 1) for k, v in times.items()}
+    report["throughput"] = rates
     report["environment"] = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -1,11 +1,13 @@
 """Regenerate the assistant turns of training conversations with the target itself.
 
-Responses come from the engine's own batched decoder (generate.py). Prompts are sorted by length and
-batched by a token budget, so one long prompt never pads a batch of short ones (the prototype in
-shared/research lost 5x to that). Multi-turn conversations run turn by turn: turn t's context is
-the earlier user turns with the target's own earlier answers.
+Responses come from plain decoding in one continuously refilled batch (answering.py), at the
+precision the target is loaded in (the pipeline loads it as the commands run it). Prompts are
+grouped by length under a token budget, so one long prompt never pads many short ones (the
+prototype in shared/research lost 5x to that), and the groups join in a seeded random order.
+Multi-turn conversations run turn by turn: turn t's context is the earlier user turns with the
+target's own earlier answers.
 
-Each answered turn is one line of `responses.jsonl`, appended as soon as its batch finishes, so an
+Each answered turn is one line of `responses.jsonl`, appended as soon as it finishes, so an
 interrupted run resumes where it stopped:
   {"key": "gsm8k_train.jsonl:12#0", "prompt": [ids], "response": [ids], "finish": "stop"}
 `response` ends with the end-of-turn token when the answer ended by itself: the draft must learn to
@@ -17,15 +19,14 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from eaglespec.config import SamplingParams
-from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
-from eaglespec.requests import collect_outputs
 from eaglespec.tokenizer import Tokenizer
+from eaglespec.train.answering import Job, answer_all
 from eaglespec.train.batching import length_batches
 from eaglespec.train.data import Conversation
 
@@ -93,7 +94,7 @@ def regenerate(
     out_path: Path,
     cfg: RegenConfig,
     *,
-    on_batch: Callable[[int, int], None] | None = None,  # (turns done, new tokens) per batch
+    on_batch: Callable[[int, int], None] | None = None,  # (turns, new tokens) per answer
 ) -> RegenSummary:
     """Answer every user turn of `convs`, appending to `out_path`; turns already there are kept."""
     drop_partial_tail(out_path)  # a killed run's last, half-written line
@@ -101,6 +102,9 @@ def regenerate(
     eot = tokenizer.eos_ids[0]  # the chat template's end-of-turn token comes first
     new = skipped = 0
     max_turns = max(len(c.turns) for c in convs)
+    params = SamplingParams(
+        max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed
+    )
     with out_path.open("a") as f:
         for t in range(max_turns):
             todo: list[tuple[str, list[int]]] = []
@@ -115,33 +119,25 @@ def regenerate(
                     skipped += 1
                     continue
                 todo.append((key, ids))
-            for batch in _batches(todo, cfg):
-                if cfg.max_samples is not None and len(done) >= cfg.max_samples:
-                    break
-                params = SamplingParams(
-                    max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed
-                )
-                outs = collect_outputs(
-                    generate_stream(
-                        model, tokenizer, [ids for _, ids in batch], [params] * len(batch)
-                    )
-                )
-                tokens = 0
-                for (key, ids), o in zip(batch, outs, strict=True):
-                    resp = o.token_ids + ([eot] if o.finish_reason == "stop" else [])
-                    s = Sample(key, ids, resp, o.finish_reason or "length")
-                    done[key] = s
-                    f.write(
-                        json.dumps(
-                            {"key": key, "prompt": ids, "response": resp, "finish": s.finish}
-                        )
-                        + "\n"
-                    )
-                    tokens += len(resp)
-                f.flush()
-                new += len(batch)
+            if cfg.max_samples is not None and len(done) >= cfg.max_samples:
+                break
+            jobs = [Job(key, ids, params) for batch in _batches(todo, cfg) for key, ids in batch]
+            answers = answer_all(
+                model, tokenizer, jobs, max_rows=cfg.max_batch, budget=cfg.batch_tokens
+            )
+            for a in answers:
+                o = a.output
+                resp = o.token_ids + ([eot] if o.finish_reason == "stop" else [])
+                s = Sample(a.job.key, a.job.prompt, resp, o.finish_reason or "length")
+                done[s.key] = s
+                f.write(json.dumps(asdict(s)) + "\n")
+                f.flush()  # each answer is kept as soon as it is written
+                new += 1
                 if on_batch is not None:
-                    on_batch(len(batch), tokens)
+                    on_batch(1, len(resp))
+                if cfg.max_samples is not None and len(done) >= cfg.max_samples:
+                    answers.close()  # stops decoding the rows still running
+                    break
     total = sum(len(s.response) for s in done.values())
     return RegenSummary(len(done), new, skipped, total)
 

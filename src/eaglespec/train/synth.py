@@ -10,7 +10,7 @@ Two kinds, both from the target alone (no outside data, never the evaluation set
   so the head also learns summarization, where the answer copies from a long context.
 
 Self-asked prompts are appended to `synth_prompts.jsonl` (one JSON object per line, `turns` as in
-FastChat questions, plus the seed) as each batch finishes, so an interrupted run keeps what it has.
+FastChat questions, plus the seed) as each is written, so an interrupted run keeps what it has.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglespec.config import SamplingParams
-from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
-from eaglespec.requests import collect_outputs
 from eaglespec.tokenizer import Tokenizer
+from eaglespec.train.answering import Job, answer_all
 from eaglespec.train.data import Conversation
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 
@@ -63,44 +62,46 @@ def synthesize_prompts(
     path: Path,
     cfg: SynthConfig,
     *,
-    on_batch: Callable[[int, int], None] | None = None,  # (prompts kept, tokens) per batch
+    on_batch: Callable[[int, int], None] | None = None,  # (prompts kept, tokens) per draw
 ) -> list[Conversation]:
     """Sample self-asked prompts until `path` holds `cfg.prompts` of them; returns them all.
     Kept: ended by the model itself (end of turn), at least `min_words` words, not a duplicate.
     Gives up after drawing 4x `cfg.prompts` samples this call (a model that rarely ends a user
-    turn by itself), returning what it has."""
+    turn by itself), returning what it has. Draws are decoded `cfg.batch` at a time in one
+    continuously refilled batch (answering.py) and kept in the order they finish."""
     drop_partial_tail(path)  # a killed run's last, half-written line
     have = read_synth_prompts(path)
     seen = {c.turns[0] for c in have}
     prefix = user_turn_prefix(tokenizer)
     seed = cfg.seed * 1_000_000 + max((int(c.source.split(":")[1]) for c in have), default=-1) + 1
-    budget = 4 * max(cfg.prompts - len(have), 0)
+    draws = 4 * max(cfg.prompts - len(have), 0)
+    jobs = [
+        Job(
+            f"synth:{s}",
+            prefix,
+            SamplingParams(
+                max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=s
+            ),
+        )
+        for s in range(seed, seed + draws)
+    ]
     with path.open("a") as f:
-        while len(have) < cfg.prompts and budget > 0:
-            budget -= cfg.batch
-            seeds = list(range(seed, seed + cfg.batch))
-            seed += cfg.batch
-            params = [
-                SamplingParams(
-                    max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=s
-                )
-                for s in seeds
-            ]
-            outs = collect_outputs(generate_stream(model, tokenizer, [prefix] * len(seeds), params))
-            kept = 0
-            for s, o in zip(seeds, outs, strict=True):
-                text = o.text.strip()
-                if o.finish_reason != "stop" or len(text.split()) < cfg.min_words or text in seen:
-                    continue
+        answers = answer_all(model, tokenizer, jobs, max_rows=cfg.batch)
+        for a in answers:
+            if len(have) >= cfg.prompts:
+                answers.close()
+                break
+            o = a.output
+            text = o.text.strip()
+            ended = o.finish_reason == "stop"
+            kept = ended and len(text.split()) >= cfg.min_words and text not in seen
+            if kept:
                 seen.add(text)
-                have.append(Conversation((text,), f"synth:{s}"))
-                f.write(json.dumps({"seed": s, "turns": [text]}) + "\n")
-                kept += 1
-                if len(have) >= cfg.prompts:
-                    break
-            f.flush()
+                have.append(Conversation((text,), a.job.key))
+                f.write(json.dumps({"seed": a.job.params.seed, "turns": [text]}) + "\n")
+                f.flush()
             if on_batch is not None:
-                on_batch(kept, sum(len(o.token_ids) for o in outs))
+                on_batch(int(kept), len(o.token_ids))
     return have[: cfg.prompts]
 
 

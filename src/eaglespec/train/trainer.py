@@ -76,6 +76,7 @@ class StepStats:
     lr: float
     acc: list[float]  # per unrolled step: draft top-1 == target top-1 among valid positions
     accept_proxy: float  # 1 + mean all-correct chain length per anchor (greedy tokens per round)
+    positions: int = 0  # real (unpadded) positions in the step's global batch
 
 
 class TTTModule(nn.Module):
@@ -210,6 +211,7 @@ def train(
             lr=lr,
             acc=(stats[1] / counts).tolist(),
             accept_proxy=1 + float(stats[2].sum() / counts[0]),
+            positions=sum(len(samples[i].ids) for i in batches[order[index]]),
         )
         history.append(s)
         if on_step is not None:

@@ -1,0 +1,58 @@
+"""Throughput of each stage of `eaglespec train`: items and tokens done, tokens per second, shown
+as the stage runs (a log line at most every `every` seconds, and at the end) and recorded in
+train_report.json, so a recipe's cost per token is measured on every run, not estimated.
+
+Tokens mean what each stage turns into training signal: response tokens written (prompt writing,
+answering), positions captured (features: prompt + response), positions x unrolled steps trained.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Meter:
+    def __init__(
+        self,
+        stage: str,
+        unit: str,
+        log: Callable[[str], None],
+        *,
+        total: int | None = None,
+        every: float = 10.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.stage, self.unit, self.log, self.total = stage, unit, log, total
+        self.every, self.clock = every, clock
+        self.items = self.tokens = 0
+        self.start = clock()
+        self.shown = self.start
+
+    def add(self, items: int, tokens: int) -> None:
+        self.items += items
+        self.tokens += tokens
+        if self.clock() - self.shown >= self.every:
+            self.show()
+
+    def show(self) -> None:
+        self.shown = self.clock()
+        of = f"/{self.total}" if self.total is not None else ""
+        self.log(
+            f"{self.stage}: {self.items}{of} {self.unit}, {self.tokens:,} tokens, "
+            f"{self.rate():,.0f} tokens/s"
+        )
+
+    def rate(self) -> float:
+        return self.tokens / max(self.clock() - self.start, 1e-9)
+
+    def result(self) -> dict[str, Any]:
+        """The stage's record in train_report.json (and a last line in the log)."""
+        self.show()
+        return {
+            self.unit: self.items,
+            "tokens": self.tokens,
+            "seconds": round(self.clock() - self.start, 1),
+            "tokens_per_s": round(self.rate(), 1),
+        }
