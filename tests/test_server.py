@@ -164,18 +164,23 @@ def test_streaming_chunks_and_usage(client: TestClient, llm: LLM) -> None:
 
 
 def test_n_choices_and_prompt_lists(llm: LLM) -> None:
-    """Choices are prompt-major; seeded samples repeat. (Under adaptive speculation they would
-    not: the draft length changes how many random draws a round takes. They repeat with a fixed
-    draft shape, as here, or with speculation off.)"""
-    app = create_app(llm, ServeOptions(served_name=NAME, speculation="on"))
-    body = {"model": NAME, "prompt": [[4, 5, 6], [9, 10]], "n": 2, "max_tokens": 3}
+    """Choices are prompt-major; seeded samples repeat under the default (adaptive) speculation,
+    whatever it measured before, and equal them with speculation on or off (verify.py draws each
+    emitted token from the uniform a plain step would use)."""
+    body = {"model": NAME, "prompt": [[4, 5, 6], [9, 10]], "n": 2, "max_tokens": 6}
     body |= {"temperature": 0.9, "seed": 3, "ignore_eos": True}
-    with TestClient(app) as client:
-        out = client.post("/v1/completions", json=body).json()
-        again = client.post("/v1/completions", json=body).json()
+    texts = {}
+    for mode in ("adaptive", "on", "off"):
+        app = create_app(llm, ServeOptions(served_name=NAME, speculation=mode))
+        with TestClient(app) as client:
+            out = client.post("/v1/completions", json=body).json()
+            for _ in range(3):  # the policy measures rounds in between
+                again = client.post("/v1/completions", json=body).json()
+                assert [c["text"] for c in again["choices"]] == [c["text"] for c in out["choices"]]
+        texts[mode] = [c["text"] for c in out["choices"]]
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
-    assert out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 12
-    assert [c["text"] for c in again["choices"]] == [c["text"] for c in out["choices"]]
+    assert out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 24
+    assert texts["adaptive"] == texts["on"] == texts["off"]
 
 
 def test_concurrent_requests_equal_their_solo_runs(llm: LLM) -> None:

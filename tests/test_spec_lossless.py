@@ -14,7 +14,7 @@ import torch
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
-from eaglespec.engine import generate_speculative
+from eaglespec.engine import BatchRunner, generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import RequestOutput, collect_outputs
@@ -96,6 +96,53 @@ def test_seeded_sampling_repeats_and_mixed_batch(target: Transformer) -> None:
     # The greedy row in a mixed batch still equals plain greedy.
     plain = _plain(target, PROMPTS[1:2], params[1:])
     assert a[1].token_ids == plain[0].token_ids
+
+
+SEEDED = [
+    SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=1.3, seed=5, ignore_eos=True),
+    SamplingParams(max_tokens=9, ignore_eos=True),  # greedy, in the same batch
+]
+
+
+@pytest.mark.parametrize(
+    "how", ["random-head", "oracle", "oracle-noisy", "tree", "changing-lengths"]
+)
+def test_seeded_sampling_gives_the_plain_tokens_under_any_speculation(
+    target: Transformer, how: str
+) -> None:
+    """A seeded request's tokens do not depend on what speculation ran: each emitted token is
+    the target's draw from the uniform a plain step would use (verify.py), whether drafts were
+    all rejected, all accepted, some, in a tree, or the draft length changed from round to
+    round (as under adaptive speculation)."""
+    prompts = PROMPTS[:3]
+    plain = _plain(target, prompts, SEEDED)
+    assert plain[0].token_ids != _plain(target, prompts[:1], [SEEDED[1]])[0].token_ids
+    tree = None
+    if how in ("random-head", "tree", "changing-lengths"):
+        proposer = Eagle3Proposer(random_eagle3(target, seed=2), (1, 3, 4))
+        tree = TREES["eagle-like"] if how == "tree" else None
+    else:
+        seqs = [p + o.token_ids + [0] * 8 for p, o in zip(prompts, plain, strict=True)]
+        proposer = OracleProposer(seqs, V, wrong_every=3 if how == "oracle-noisy" else 0)
+    if how == "changing-lengths":
+        runner = BatchRunner(target, proposer, NullTokenizer(), max_draft=4)
+        events = runner.join(prompts, SEEDED, range(3))
+        k = 0
+        while runner.seqs:
+            events += runner.round(k % 5, None).events
+            k += 1
+        spec = sorted((e.output for e in events if e.output), key=lambda o: o.index)
+    else:
+        spec = collect_outputs(
+            generate_speculative(
+                target, proposer, NullTokenizer(), prompts, SEEDED, num_draft=3, tree=tree
+            )
+        )
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids
+    if how == "oracle":  # the drafts were the plain tokens: nearly all accepted
+        assert spec[0].stats.mean_accept_length > 3.0
 
 
 TREES = {

@@ -391,6 +391,9 @@ def speculate_round(
     host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
     rows = host.tolist()  # sync: the round's tokens, once for all rows
     accepted = [r[0] for r in rows]
+    if not batch.st.all_greedy and drafted.draft_probs is None:
+        # the verifier peeked at each row's uniforms: use up one per emitted token (verify.py)
+        RowRandom(batch.generators).advance([a + 1 for a in accepted])
     tokens = [r[3 : 3 + r[0]] + [r[1]] for r in rows]
     lps = None
     if any(t is not None for t in logprobs):

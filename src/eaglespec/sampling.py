@@ -175,7 +175,12 @@ class RowRandom:
     """Random draws for a batch: each row from its own generator, so a seeded request repeats
     bitwise whatever else is in the batch, or the whole batch from one shared generator (one call
     per draw, for large batches of identical requests such as distribution tests). None stands
-    for torch's global generator."""
+    for torch's global generator.
+
+    A seeded row draws one uniform per token it emits, whether the token comes from a plain step
+    or from verifying drafts (`peek` the round's uniforms, `advance` past the ones used), and a
+    token is drawn from its uniform the same way in both (`inverse_transform`): so a seeded
+    request gives the same tokens whatever speculation ran (verify.py)."""
 
     def __init__(self, generators: Sequence[torch.Generator | None] | torch.Generator | None):
         self._per_row = not (generators is None or isinstance(generators, torch.Generator))
@@ -184,23 +189,54 @@ class RowRandom:
     def uniform(self, batch: int, n: int, device: torch.device | str) -> torch.Tensor:
         """(B, n) i.i.d. U[0, 1)."""
         if not self._per_row:
-            gen = self._generators
-            assert gen is None or isinstance(gen, torch.Generator)
-            return torch.rand(batch, n, device=device, generator=gen)
-        gens = list(self._generators)  # type: ignore[arg-type]
-        assert len(gens) == batch, f"{len(gens)} generators for {batch} rows"
-        return torch.stack([torch.rand(n, device=device, generator=g) for g in gens])
+            return torch.rand(batch, n, device=device, generator=self._shared())
+        return torch.stack([torch.rand(n, device=device, generator=g) for g in self._rows(batch)])
+
+    def peek(self, batch: int, n: int, device: torch.device | str) -> torch.Tensor:
+        """(B, n): the next n uniforms of each seeded row, left in its generator for `advance`.
+        Rows on the global generator, and a shared generator, draw (and use up) fresh ones."""
+        if not self._per_row:
+            return torch.rand(batch, n, device=device, generator=self._shared())
+        out = []
+        for g in self._rows(batch):
+            state = None if g is None else g.get_state()
+            out.append(torch.rand(n, device=device, generator=g))
+            if g is not None:
+                g.set_state(state)
+        return torch.stack(out)
+
+    def advance(self, counts: Sequence[int]) -> None:
+        """Use up counts[b] uniforms of each seeded row (those its round emitted tokens from)."""
+        if not self._per_row:
+            return
+        for g, n in zip(self._rows(len(counts)), counts, strict=True):
+            if g is not None and n:
+                torch.rand(n, device=g.device, generator=g)
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs (B, V) -> tokens (B,) int64 by inverse transform: the first token whose
-        cumulative probability exceeds u * total, u ~ U[0, 1), one draw per row (no host sync).
-        A token of probability 0 adds nothing to the sum, so it is never drawn. (An
+        """probs (B, V) -> tokens (B,) int64, one uniform per row (`inverse_transform`). (An
         exponential race, argmax p / E, needs a draw per token: 60 ms a step for 64 rows of a
         49K vocabulary on the 2-core CPU, against 1-2 ms for this.)"""
-        cdf = probs.cumsum(-1)  # (B, V)
-        u = self.uniform(probs.shape[0], 1, probs.device) * cdf[:, -1:]  # (B, 1)
-        tokens = torch.searchsorted(cdf, u, right=True)  # (B, 1)
-        return tokens.clamp_(max=probs.shape[1] - 1).squeeze(1)
+        return inverse_transform(probs, self.uniform(probs.shape[0], 1, probs.device)[:, 0])
+
+    def _shared(self) -> torch.Generator | None:
+        gen = self._generators
+        assert gen is None or isinstance(gen, torch.Generator)
+        return gen
+
+    def _rows(self, batch: int) -> list[torch.Generator | None]:
+        gens = list(self._generators)  # type: ignore[arg-type]
+        assert len(gens) == batch, f"{len(gens)} generators for {batch} rows"
+        return gens
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs (B, V), u (B,) in [0, 1) -> tokens (B,) int64: the first token whose cumulative
+    probability exceeds u * total (no host sync). A token of probability 0 adds nothing to the
+    sum, so it is never drawn."""
+    cdf = probs.cumsum(-1)  # (B, V)
+    tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)  # (B, 1)
+    return tokens.clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 def sample(

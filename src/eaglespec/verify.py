@@ -11,12 +11,21 @@ walk ran out of tree, or a *recovered* token sampled from the residual distribut
 of the last accepted node was rejected. Either way each round yields accepted + 1 tokens.
 
 Greedy: child c of i is accepted iff tokens[c] == argmax p_i.
-Sampled (recursive rejection sampling over siblings, lossless): at node i, with p = p_i, try the
-children in index order; child c (token x, drawn from q_c) is accepted with probability
-min(1, p(x) / q_c(x)); on rejection p <- norm(max(p - q_c, 0)) and the next sibling is tried.
-Deterministic draft picks (top-k, no sampling) have q_c = one-hot(x): acceptance p(x), and the
-rejection zeroes x in p. If no child is accepted, the recovered token is sampled from the final p.
-Greedy rows can share the sampled path with one-hot target probabilities (sampling.py makes them).
+Sampled, deterministic drafts (the engine's: top-k picks of a head or a draft model, no sampling):
+at node i the target's token is drawn, y ~ p_i, from the row's next uniform exactly as a plain
+step draws it (sampling.inverse_transform); the child whose token is y is accepted and the walk
+goes on there, else y is the recovered (or bonus) token. Every emitted token is then a draw from
+the target's distribution, so this is lossless, and it accepts as often as recursive rejection
+sampling with one-hot drafts (child x_j with the probability p(x_j), siblings summing). And each
+emitted token uses one uniform, the one a plain step would have used: a seeded request gives the
+same tokens whether a round verified drafts or took a plain step. The uniforms are peeked, not
+used up: the caller advances each row's generator by the tokens it emitted once it has them on
+the host (engine.speculate_round).
+Sampled, drafts drawn from q (`draft_probs`; recursive rejection sampling over siblings, lossless):
+at node i, with p = p_i, try the children in index order; child c (token x, drawn from q_c) is
+accepted with probability min(1, p(x) / q_c(x)); on rejection p <- norm(max(p - q_c, 0)) and the
+next sibling is tried. If no child is accepted, the recovered token is sampled from the final p.
+Greedy rows can share the sampled paths with one-hot target probabilities (sampling.py makes them).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglespec.sampling import RowRandom, greedy_tokens
+from eaglespec.sampling import RowRandom, greedy_tokens, inverse_transform
 from eaglespec.tree import DraftTree
 
 
@@ -84,7 +93,10 @@ def _verify_greedy_chain(tree: DraftTree, argmax: torch.Tensor) -> VerifyResult:
 def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, rng: RowRandom) -> VerifyResult:
     """target_probs (B, N, V), already through temperature / top-k / top-p (one-hot for greedy
     rows). Walks the tree depth by depth, all rows at once; rows that stop are masked, not removed,
-    so the loop bounds are the host ints D and K and nothing syncs."""
+    so the loop bounds are the host ints D and K and nothing syncs. Deterministic drafts peek at
+    the uniforms: the caller advances `rng` by num_accepted + 1 per row (module doc)."""
+    if tree.draft_probs is None:
+        return _verify_drawn(tree, target_probs, rng)
     B, N, V = target_probs.shape
     dev = target_probs.device
     rows = torch.arange(B, device=dev)
@@ -121,6 +133,36 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, rng: RowRandom) 
     # A row that still walks after D levels, or stopped at a node without children, takes a bonus.
     leaf = tree.children[rows, node, 0] < 0
     next_token = rng.sample(p)
+    return VerifyResult(
+        path=tree.paths[rows, node],
+        num_accepted=tree.depth[rows, node],
+        next_token=next_token,
+        bonus=leaf,
+        last_node=node,
+    )
+
+
+def _verify_drawn(tree: DraftTree, target_probs: torch.Tensor, rng: RowRandom) -> VerifyResult:
+    """Deterministic drafts: at each depth the target's own draw y from the row's next uniform;
+    the child with token y is accepted, else y is the next token (module doc)."""
+    B, N, V = target_probs.shape
+    dev = target_probs.device
+    rows = torch.arange(B, device=dev)
+    u = rng.peek(B, tree.max_depth + 1, dev)  # (B, D + 1): one per token the round can emit
+    node = torch.zeros(B, dtype=torch.long, device=dev)  # current accepted node
+    walking = torch.ones(B, dtype=torch.bool, device=dev)
+    next_token = torch.zeros(B, dtype=torch.long, device=dev)
+    for d in range(tree.max_depth + 1):
+        y = inverse_transform(target_probs[rows, node], u[:, d])  # (B,) the target's token
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        for s in range(tree.max_children if d < tree.max_depth else 0):
+            child = tree.children[rows, node, s]  # (B,)
+            hit = walking & ~moved & (child >= 0) & (tree.tokens[rows, child.clamp(min=0)] == y)
+            node = torch.where(hit, child, node)
+            moved |= hit
+        next_token = torch.where(walking & ~moved, y, next_token)
+        walking &= moved
+    leaf = tree.children[rows, node, 0] < 0 if tree.max_children else torch.ones_like(walking)
     return VerifyResult(
         path=tree.paths[rows, node],
         num_accepted=tree.depth[rows, node],
