@@ -10,6 +10,7 @@ rebuilt here through `Eagle3Head.forward` and its KV cache and compared in fp32.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from eaglespec.train.data import Conversation, read_all, read_conversations, wit
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 from eaglespec.train.trainer import TrainConfig, train
-from eaglespec.train.ttt import TTTBatch, TTTOutput, _ttt_mask, ttt_forward
+from eaglespec.train.ttt import TTTBatch, TTTOutput, _ttt_mask, position_loss, ttt_forward
 from eaglespec.train.vocab import build_draft_vocab
 from helpers import NullTokenizer, tiny_target
 
@@ -344,6 +345,26 @@ def _expected_valid(batch: TTTBatch, j: int) -> list[int]:
     """Anchors p whose step-j target x_{p+2+j} is a response token with a draftable top-1."""
     lm, tv = batch.loss_mask[0].tolist(), batch.target_valid[0].tolist()
     return [p for p in range(T) if p + 2 + j < T and lm[p + 2 + j] and tv[p + 1 + j]]
+
+
+def test_position_losses_against_hand_computed_values() -> None:
+    """p = (0.5, 0.3, 0.2), q = (0.2, 0.3, 0.5): ce = -sum p log q; lk = -log sum min(p, q)
+    = -log(0.2 + 0.3 + 0.2) = -log 0.7. A perfect draft (q = p) has lk 0 and ce = H(p)."""
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]).log()
+    q = torch.tensor([[0.2, 0.3, 0.5], [0.5, 0.3, 0.2]]).log()
+    ce = position_loss(q, p, "ce")
+    want_ce = -(0.5 * math.log(0.2) + 0.3 * math.log(0.3) + 0.2 * math.log(0.5))
+    entropy = -(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2))
+    torch.testing.assert_close(ce, torch.tensor([want_ce, entropy]))
+    lk = position_loss(q, p, "lk")
+    torch.testing.assert_close(lk, torch.tensor([-math.log(0.7), 0.0]), atol=1e-6, rtol=1e-6)
+    # Its gradient moves q's mass from where q > p to where q < p (raising the overlap).
+    logits = torch.tensor([[0.2, 0.3, 0.5]]).log().requires_grad_()
+    position_loss(torch.log_softmax(logits, -1), p[:1], "lk").sum().backward()
+    assert logits.grad is not None
+    assert logits.grad[0, 0] < 0 < logits.grad[0, 2]  # descent raises q(0), lowers q(2)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        position_loss(q, p, "kl2")
 
 
 @torch.no_grad()

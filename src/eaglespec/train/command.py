@@ -100,6 +100,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--schedule", choices=("cosine", "linear"), default="cosine")
     g.add_argument("--batch-tokens", type=int, default=8192, help="padded positions per step")
     g.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps")
+    g.add_argument(
+        "--loss",
+        choices=("ce", "lk"),
+        default="ce",
+        help="ce: soft cross-entropy against the target (EAGLE's); lk: LK's negative log "
+        "acceptance, -log sum min(p, q) (train/ttt.py)",
+    )
     g.add_argument("--grad-clip", type=float, default=0.5)
     g.add_argument(
         "--train-dtype",
@@ -157,6 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             schedule=args.schedule,
             batch_tokens=args.batch_tokens,
             ttt_steps=args.ttt_steps,
+            loss=args.loss,
             grad_clip=args.grad_clip,
             dtype=args.train_dtype,
             seed=args.seed,

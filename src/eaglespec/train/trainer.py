@@ -7,8 +7,8 @@ positions, shuffled per epoch by a seeded generator, and each batch's rows are s
 positions per unrolled step (an all-reduce), and multiplied by the world size because DDP averages
 gradients: so W processes take exactly the gradient one process takes on the whole batch.
 
-Loss: sum_j decay^j * CE_j, with CE_j the soft cross-entropy of step j averaged over its valid
-positions (train/ttt.py).
+Loss: sum_j decay^j * L_j, with L_j the loss of step j averaged over its valid positions
+(train/ttt.py: the soft cross-entropy, or LK's negative log acceptance).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from eaglespec.draft.eagle3 import Eagle3Head
 from eaglespec.train.batching import length_batches
 from eaglespec.train.features import FeatureShard
-from eaglespec.train.ttt import TTTBatch, ttt_forward
+from eaglespec.train.ttt import LOSSES, TTTBatch, ttt_forward
 from eaglespec.train.vocab import DraftVocab
 
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -45,6 +45,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
     ttt_steps: int = 7  # unrolled draft steps
+    loss: str = "ce"  # per position: soft cross-entropy or LK's negative log acceptance (ttt.py)
     decay: float = 0.8  # step j's loss weight decay^j
     batch_tokens: int = 8192  # padded positions per global batch
     dtype: str = (
@@ -64,6 +65,8 @@ class TrainConfig:
             raise ValueError(f"schedule must be cosine or linear, not {self.schedule!r}")
         if self.dtype not in AMP_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(AMP_DTYPES)}, not {self.dtype!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
         if self.ttt_steps < 1 or self.epochs < 1 or self.batch_tokens < 1:
             raise ValueError("ttt_steps, epochs and batch_tokens must be positive")
 
@@ -82,13 +85,14 @@ class StepStats:
 class TTTModule(nn.Module):
     """The head under the training-time-test forward, as one module for DDP to wrap."""
 
-    def __init__(self, head: Eagle3Head, steps: int) -> None:
+    def __init__(self, head: Eagle3Head, steps: int, loss: str) -> None:
         super().__init__()
         self.head = head
         self.steps = steps
+        self.loss = loss
 
     def forward(self, batch: TTTBatch) -> Any:
-        return ttt_forward(self.head, batch, self.steps)
+        return ttt_forward(self.head, batch, self.steps, loss=self.loss)
 
 
 def target_head_rows(lm_head_weight: torch.Tensor, vocab: DraftVocab) -> torch.Tensor:
@@ -157,7 +161,7 @@ def train(
     and writes it every `checkpoint_every` steps and at each epoch end."""
     rank, size = world()
     device = head.device
-    module: nn.Module = TTTModule(head, cfg.ttt_steps)
+    module: nn.Module = TTTModule(head, cfg.ttt_steps, cfg.loss)
     if size > 1:
         module = nn.parallel.DistributedDataParallel(module)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -261,7 +265,7 @@ def evaluate(
     for idx in length_batches([len(s.ids) for s in samples], cfg.batch_tokens):
         batch = collate([samples[i] for i in idx], rows, t2d, head.dtype, device)
         with cfg.autocast(device):
-            out = ttt_forward(head, batch, cfg.ttt_steps)
+            out = ttt_forward(head, batch, cfg.ttt_steps, loss=cfg.loss)
         totals += torch.stack([out.counts, out.correct, out.chain]).float().cpu()
     counts = totals[0].clamp(min=1)
     return {

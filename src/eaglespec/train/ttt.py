@@ -20,9 +20,16 @@ position p only (at inference: the chain's earlier draft tokens). As one SDPA ca
 [K_0 | K_1 | .. | K_j], (J+1)T columns, under the mask [causal | I | .. | I].
 
 Loss mask at step j, position p: x_{p+2+j} is a response token and the target's own top-1 at
-p+1+j is in the draft vocabulary (a draft cannot propose it otherwise). The per-step soft
-cross-entropy sums are returned with their counts; the trainer normalises and weights them
-(decay^j), so that the normaliser can be global across DistributedDataParallel ranks.
+p+1+j is in the draft vocabulary (a draft cannot propose it otherwise). The per-step loss sums
+are returned with their counts; the trainer normalises and weights them (decay^j), so that the
+normaliser can be global across DistributedDataParallel ranks.
+
+Losses at one position, p the target's distribution over the draft vocabulary, q the draft's:
+- "ce": the soft cross-entropy -sum_x p(x) log q(x) (KL(p || q) up to p's entropy), EAGLE's.
+- "lk": LK's negative log acceptance (Samarin et al. 2026, arXiv 2602.23881), -log alpha with
+  alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), the probability that sampled verification accepts
+  a draft drawn from q: the loss aims at acceptance itself, where a small head's KL optimum need
+  not; its gradient is TV's scaled by 1 / alpha, so it does not vanish while alpha is small.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ class TTTBatch:
 
 @dataclass(slots=True)
 class TTTOutput:
-    loss_sums: list[torch.Tensor]  # J scalars: sum over valid positions of the soft CE
+    loss_sums: list[torch.Tensor]  # J scalars: sum over valid positions of the loss
     counts: torch.Tensor  # (J,) int64 valid positions per step
     correct: torch.Tensor  # (J,) int64 positions whose draft top-1 equals the target's
     # (J,) int64 positions whose chain from step 0 through step j was all correct: the
@@ -64,8 +71,11 @@ def check_trainable(head: Eagle3Head) -> None:
         )
 
 
+LOSSES = ("ce", "lk")
+
+
 def ttt_forward(
-    head: Eagle3Head, batch: TTTBatch, steps: int, *, keep_logp: bool = False
+    head: Eagle3Head, batch: TTTBatch, steps: int, *, keep_logp: bool = False, loss: str = "ce"
 ) -> TTTOutput:
     """Run the head for `steps` unrolled steps over `batch`; gradients flow through all of them
     (step j's hidden is step j-1's output, as at inference). `keep_logp` also returns each
@@ -107,7 +117,7 @@ def ttt_forward(
         rows, cols = valid.nonzero(as_tuple=True)  # sync: training only
         logp = F.log_softmax(head.lm_head(head.norm(out[rows, cols])).float(), dim=-1)  # (Nv, Vd)
         target_logp = batch.target_logp[rows, cols + 1 + j]  # (Nv, Vd): l_{p+1+j}
-        loss_sums.append(-(target_logp.exp() * logp).sum())
+        loss_sums.append(position_loss(logp, target_logp, loss).sum())
         hit = torch.zeros_like(valid)
         hit[rows, cols] = logp.argmax(-1) == target_logp.argmax(-1)
         alive = alive & hit
@@ -122,6 +132,16 @@ def ttt_forward(
         chain=torch.stack(chain),
         logp=kept if keep_logp else None,
     )
+
+
+def position_loss(logq: torch.Tensor, logp: torch.Tensor, loss: str) -> torch.Tensor:
+    """(N, Vd) draft and target log-probs -> (N,) the loss at each position (module doc)."""
+    if loss == "ce":
+        return -(logp.exp() * logq).sum(-1)
+    if loss == "lk":
+        alpha = torch.minimum(logq, logp).exp().sum(-1)  # (N,) sum_x min(p, q)
+        return -alpha.clamp(min=1e-12).log()
+    raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {loss!r}")
 
 
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
