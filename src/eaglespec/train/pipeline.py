@@ -136,8 +136,14 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
             )
             log(f"regen: {len(extra)} summaries of the target's own answers")
             uncapped = replace(cfg.regen, max_samples=None)
+            first = summary
             summary = regenerate(
                 target.model, target.tokenizer, extra, responses, uncapped, on_batch=meter.add
+            )
+            summary = replace(
+                summary,
+                new=first.new + summary.new,
+                skipped_long=first.skipped_long + summary.skipped_long,
             )
         rates["regen"] = meter.result()
         report["regen"] = asdict(summary)
