@@ -64,7 +64,7 @@ def test_compact_order_refills_gaps_from_the_end() -> None:
     assert compact_order(3, []) == []
 
 
-def test_select_rows_in_compact_order_moves_only_the_movers_in_place() -> None:
+def test_compact_moves_only_the_movers_in_place_and_select_rows_copies() -> None:
     c = _cache(batch=5)
     for layer in range(2):
         c.write(
@@ -78,13 +78,18 @@ def test_select_rows_in_compact_order_moves_only_the_movers_in_place() -> None:
     assert rows == [0, 4, 2]
     want_k = c.k[:, rows].clone()
     want_v = c.v[:, rows].clone()
-    sub = c.select_rows(rows)
+    copy = c.select_rows(rows)
+    assert copy.k.data_ptr() != c.k.data_ptr() and torch.equal(copy.k, want_k)
+    before = c.k.clone()
+    c.select_rows([1])  # a copy leaves its source as it was
+    assert torch.equal(c.k, before)
+    sub = c.compact(rows)
     assert sub.k.data_ptr() == c.k.data_ptr()  # a view: nothing was reallocated
     assert torch.equal(sub.k, want_k) and torch.equal(sub.v, want_v)
     assert sub.lengths == [1, 5, 3] and sub.batch == 3
     assert [t.is_contiguous() for t in sub.k_layers] == [True, True]  # what the kernels read
     # Another order copies, and leaves the cache it came from as it was.
-    again = sub.select_rows([2, 0])
+    again = sub.compact([2, 0])
     assert again.k.data_ptr() != sub.k.data_ptr()
     assert torch.equal(again.k, want_k[:, [2, 0]]) and torch.equal(sub.k, want_k)
 

@@ -154,24 +154,23 @@ class KVCache:
             raise ValueError(f"truncate can only shorten rows: {list(lengths)} vs {self.lengths}")
         self.lengths = list(lengths)
 
-    def select_rows(self, rows: Sequence[int]) -> KVCache:
-        """A cache holding only the given rows, in that order.
-
-        Finished sequences leave the batch this way. When every row either stays where it is or
-        moves down from at or past the new size (`compact_order`'s order), the rows are moved in
-        place and the result is a view of this cache's tensors, so a departure copies the moving
-        rows only (a copy of a 64-row cache took 0.17 s, a step of those rows about 0.08 s):
-        this cache must not be used after. Any other order copies into new tensors.
-        """
+    def compact(self, rows: Sequence[int]) -> KVCache:
+        """`select_rows` for a caller that drops this cache: when every row either stays where it
+        is or moves down from at or past the new size (`compact_order`'s order), the rows are
+        moved in place and the result is a view of this cache's tensors, so a departure copies
+        the moving rows only (a copy of a 64-row cache took 0.17 s, a step of those rows about
+        0.08 s). This cache must not be used after. Any other order copies (`select_rows`)."""
         n = len(rows)
-        if len(set(rows)) == n and all(r == i or r >= n for i, r in enumerate(rows)):
-            for i, r in enumerate(rows):
-                if r != i:
-                    self.k[:, i] = self.k[:, r]
-                    self.v[:, i] = self.v[:, r]
-            return KVCache(
-                k=self.k[:, :n], v=self.v[:, :n], lengths=[self.lengths[r] for r in rows]
-            )
+        if len(set(rows)) != n or any(r != i and r < n for i, r in enumerate(rows)):
+            return self.select_rows(rows)
+        for i, r in enumerate(rows):
+            if r != i:
+                self.k[:, i] = self.k[:, r]
+                self.v[:, i] = self.v[:, r]
+        return KVCache(k=self.k[:, :n], v=self.v[:, :n], lengths=[self.lengths[r] for r in rows])
+
+    def select_rows(self, rows: Sequence[int]) -> KVCache:
+        """A cache holding only the given rows, in that order (a copy)."""
         idx = torch.tensor(list(rows), device=self.k.device)
         return KVCache(
             k=self.k.index_select(1, idx),
@@ -220,7 +219,7 @@ class KVCache:
 
 
 def compact_order(batch: int, keep: Sequence[int]) -> list[int]:
-    """The rows `keep` (increasing) in the order in which `KVCache.select_rows` moves the fewest:
+    """The rows `keep` (increasing) in the order in which `KVCache.compact` moves the fewest:
     each row that left below the new size is refilled by a kept row from past it.
     Example: batch 6, keep [0, 2, 3, 4, 5] -> [0, 5, 2, 3, 4] (row 5 moves, nothing else)."""
     n = len(keep)

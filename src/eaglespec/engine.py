@@ -51,9 +51,11 @@ class SpecBatch:
     generators: list[torch.Generator | None]
 
     def select(self, proposer: Proposer, rows: list[int]) -> SpecBatch:
+        """Only these rows, in this order; the target cache is compacted in place
+        (KVCache.compact), so this batch must not be used after."""
         idx = torch.tensor(rows, device=self.roots.device)
         return SpecBatch(
-            self.cache.select_rows(rows),
+            self.cache.compact(rows),
             proposer.select_rows(self.draft, rows),
             self.roots[idx],
             self.st.select(idx),

@@ -70,7 +70,7 @@ def generate_stream(
         if len(keep) < len(active):
             keep = compact_order(len(active), keep)  # rows from the end refill the gaps
             active = [active[r] for r in keep]
-            cache = cache.select_rows(keep)
+            cache = cache.compact(keep)
             rows = torch.tensor(keep, device=device)
             tokens, st = tokens[rows], st.select(rows)
             seen = None if seen is None else seen[rows]
