@@ -130,16 +130,7 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, rng: RowRandom) 
             residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p)
             p = torch.where(reject[:, None], residual, p)
         walking &= moved
-    # A row that still walks after D levels, or stopped at a node without children, takes a bonus.
-    leaf = tree.children[rows, node, 0] < 0
-    next_token = rng.sample(p)
-    return VerifyResult(
-        path=tree.paths[rows, node],
-        num_accepted=tree.depth[rows, node],
-        next_token=next_token,
-        bonus=leaf,
-        last_node=node,
-    )
+    return _ended_at(tree, node, rng.sample(p))
 
 
 def _verify_drawn(tree: DraftTree, target_probs: torch.Tensor, rng: RowRandom) -> VerifyResult:
@@ -162,7 +153,14 @@ def _verify_drawn(tree: DraftTree, target_probs: torch.Tensor, rng: RowRandom) -
             moved |= hit
         next_token = torch.where(walking & ~moved, y, next_token)
         walking &= moved
-    leaf = tree.children[rows, node, 0] < 0 if tree.max_children else torch.ones_like(walking)
+    return _ended_at(tree, node, next_token)
+
+
+def _ended_at(tree: DraftTree, node: torch.Tensor, next_token: torch.Tensor) -> VerifyResult:
+    """The result of walks that ended at `node` (B,) with `next_token` (B,): a row that ran out
+    of tree (its node has no children) took a bonus token, the others a recovered one."""
+    rows = torch.arange(len(node), device=node.device)
+    leaf = tree.children[rows, node, 0] < 0 if tree.max_children else torch.ones_like(node).bool()
     return VerifyResult(
         path=tree.paths[rows, node],
         num_accepted=tree.depth[rows, node],
