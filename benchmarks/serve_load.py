@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--draft", help="EAGLE-3 head folder (default: the one shipped for the model)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quant", default="none")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--compile", default="none")
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--modes", default="off,on,adaptive")
@@ -133,11 +134,13 @@ def main() -> None:
     draft = args.draft or str(packaged_head(args.model) or "")
     llm = LLM(
         str(resolve_model(args.model)), dtype=args.dtype, quant=args.quant,
-        compile=args.compile, method="eagle3", draft=draft, num_draft=args.draft_tokens,
+        compile=args.compile, device=args.device, method="eagle3", draft=draft,
+        num_draft=args.draft_tokens,
     )  # fmt: skip
     levels = int_list(args.clients, "--clients")
     rows = []
-    print(f"model {args.model}, draft {draft}, dtype {args.dtype}, quant {args.quant}, "
+    print(f"model {args.model}, draft {draft}, {args.device}, dtype {args.dtype}, "
+          f"quant {args.quant}, "
           f"compile {args.compile}, threads {torch.get_num_threads()}, "
           f"{args.requests} requests/client x {args.max_tokens} tokens")  # fmt: skip
     print("| speculation | clients | tok/s | TTFT p50 ms | TPOT ms | ITL p50 ms | ITL p99 ms |")

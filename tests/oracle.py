@@ -50,13 +50,14 @@ class OracleProposer:
         non-contiguous entries. Uses shape.depth rungs (num_nodes and top_k are ignored)."""
         right = self.propose(state, shape.depth)  # (B, depth)
         B, D = right.shape
-        tokens, parents = [roots], [torch.full((B,), -1)]
-        parent = torch.zeros(B, dtype=torch.long)
+        dev = right.device  # a subclass may draft on a GPU (tests/test_gpu.py)
+        tokens, parents = [roots], [torch.full((B,), -1, device=dev)]
+        parent = torch.zeros(B, dtype=torch.long, device=dev)
         for d in range(D):
             wrong = (right[:, d] + 1) % self.vocab
             tokens += [wrong, right[:, d]]
             parents += [parent, parent]
-            parent = torch.full((B,), 2 + 2 * d)
+            parent = torch.full((B,), 2 + 2 * d, device=dev)
         return build_tree(
             torch.stack(tokens, 1), torch.stack(parents, 1), max_depth=D, max_children=2
         )

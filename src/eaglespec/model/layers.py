@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eaglespec.cache import CachePlan, write_entries
 from eaglespec.config import RopeScaling
@@ -121,7 +122,7 @@ def attend(
     - eager 16-bit on a CPU (`attend_math`): SDPA's kernel is slow for few queries. One query
       per row over 301 keys, 64 rows, bf16, one thread: SDPA 30.1 ms, `attend_math` 2.8 ms
       (fp32: 3.9 vs 5.8 ms, so fp32 keeps SDPA); benchmarks/attention_cpu.py measures it.
-    - otherwise SDPA.
+    - otherwise SDPA; on CUDA without its cuDNN backend (`CUDA_SDPA_BACKENDS`).
     """
     if not causal and cpu_attention.fits(q, k):
         return cpu_attention.attend(q, k, v, mask)
@@ -129,9 +130,20 @@ def attend(
         return attend_fused(q, k, v, mask)
     if not causal and q.device.type == "cpu" and q.dtype != torch.float32:
         return attend_math(q, k, v, mask)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cuda":
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+# SDPA's backends on CUDA, in PyTorch's order of preference: all but cuDNN's. On an H100 (PyTorch
+# 2.11, SmolLM2 bf16, 2026-11-25) SDPA picked cuDNN for decode steps, whose host time under the
+# profiler was 1 ms a call, 69% of the host time of plain decoding; a step took 9.5 ms unprofiled
+# for about 1.5 ms of GPU work, so host time is what a step costs there. Untimed since (no GPU).
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attend_math(
