@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,11 @@ from eaglespec.draft.config import default_capture
 from eaglespec.draft.loader import load_eagle3, random_eagle3, save_eagle3
 from eaglespec.train.regen import Sample
 from eaglespec.train.synth import (
+    COMPLETE,
     SUMMARIZE,
     SynthConfig,
+    code_stubs,
+    completion_prompts,
     read_synth_prompts,
     summary_prompts,
     synthesize_prompts,
@@ -108,6 +112,74 @@ def test_summary_prompts_pick_long_finished_answers() -> None:
     )
 
 
+ANSWER = """Here is the code.
+
+```python
+def add(a: int,
+        b: int) -> int:
+    \"\"\"Add two numbers.
+
+    >>> add(1, 2)
+    3
+    \"\"\"
+    return a + b
+
+
+def one():
+    '''One line.'''
+    return 1
+
+
+def only_doc():
+    \"\"\"Nothing after the docstring.\"\"\"
+
+
+x = 3
+def bare(x):
+    return x * 2
+```
+
+Text with `def inline():` is not code, nor is a block without a function:
+```
+print("hi")
+```
+"""
+
+
+def test_code_stubs_cut_functions_after_signature_and_docstring() -> None:
+    assert code_stubs(ANSWER) == [
+        'def add(a: int,\n        b: int) -> int:\n    """Add two numbers.\n\n'
+        '    >>> add(1, 2)\n    3\n    """\n',
+        "def one():\n    '''One line.'''\n",
+        "def bare(x):\n",
+    ]
+    assert code_stubs("no code at all") == []
+    assert code_stubs('```python\ndef cut_off(x):\n    """never closed\n') == []
+
+
+def test_completion_prompts_take_distinct_stubs_of_finished_answers() -> None:
+    class TextTokenizer:  # answer i decodes to texts[i]
+        def decode(self, ids: list[int]) -> str:
+            return texts[ids[0]]
+
+    texts = [ANSWER, ANSWER, "```python\ndef late(y):\n    return y\n```", ANSWER]
+    samples = [
+        Sample("a:1#0", [1], [0], "stop"),
+        Sample("a:2#0", [1], [1], "stop"),  # the same stubs again: kept once
+        Sample("a:3#0", [1], [2], "length"),  # cut off
+        Sample("a:4#0:complete0#0", [1], [3], "stop"),  # a completion's own answer
+    ]
+    got = completion_prompts(TextTokenizer(), samples, count=10)
+    assert sorted(c.source for c in got) == [
+        "a:1#0:complete0",
+        "a:1#0:complete1",
+        "a:1#0:complete2",
+    ]
+    assert {c.turns[0] for c in got} == {COMPLETE.format(stub=s) for s in code_stubs(ANSWER)}
+    two = completion_prompts(TextTokenizer(), samples, count=2, seed=3)
+    assert len(two) == 2 and two == completion_prompts(TextTokenizer(), samples, count=2, seed=3)
+
+
 def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
     """What the pipeline's --init-from does: the saved head's weights come back into a fresh fp32
     head built around the target's embedding with this run's vocabulary; lm_head rows of tokens
@@ -151,3 +223,39 @@ def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
 
 def _fields(cfg: SynthConfig) -> dict[str, object]:
     return {f: getattr(cfg, f) for f in cfg.__slots__}  # type: ignore[attr-defined]
+
+
+def test_pipeline_answers_summaries_and_completions_of_its_own_answers(
+    tmp_path: Path, tiny_hf_folder: Path
+) -> None:
+    """--summaries and --completions: prompts made from the answers already in responses.jsonl
+    are answered in the same regeneration stage (here the one answer is already there, so only
+    the derived prompts are new). The summary's prompt does not fit the tiny model's context of
+    128: it is skipped and counted, not an error."""
+    from eaglespec.tokenizer import Tokenizer
+    from eaglespec.train.pipeline import PipelineConfig, run
+    from eaglespec.train.regen import RegenConfig
+
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"turns": ["Write add."]}) + "\n")
+    out = tmp_path / "head"
+    (out / "work").mkdir(parents=True)
+    tok = Tokenizer.from_hf_folder(tiny_hf_folder)
+    answer = tok.encode(ANSWER)
+    seeded = Sample("q.jsonl:1#0", [1, 2], answer, "stop")  # the data's one turn, answered
+    (out / "work" / "responses.jsonl").write_text(json.dumps(asdict(seeded)) + "\n")
+    cfg = PipelineConfig(
+        target=str(tiny_hf_folder),
+        data=(str(data),),
+        out=out,
+        regen=RegenConfig(max_new_tokens=4),
+        summaries=1,
+        summary_min_tokens=10,
+        completions=2,
+        stop_after="regen",
+    )
+    report = run(cfg, log=lambda _: None, progress=False)
+    keys = [json.loads(line)["key"] for line in (out / "work" / "responses.jsonl").open()]
+    assert keys[0] == seeded.key and len(keys) == 3 and report["regen"]["new"] == 2
+    assert sum(":complete" in k for k in keys) == 2
+    assert report["regen"]["skipped_long"] == 1  # the summary of a 200-token answer

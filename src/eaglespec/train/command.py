@@ -61,6 +61,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="only answers at least this long are summarized",
     )
     p.add_argument(
+        "--completions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N 'Complete the code I provided.' prompts over the functions in the target's "
+        "own answers, cut after signature and docstring",
+    )
+    p.add_argument(
         "--init-from",
         type=Path,
         metavar="HEAD",
@@ -138,6 +146,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         synth=SynthConfig(prompts=args.synth_prompts, seed=args.seed),
         summaries=args.summaries,
         summary_min_tokens=args.summary_min_tokens,
+        completions=args.completions,
         init_from=args.init_from,
         regen=RegenConfig(
             max_prompt_tokens=args.max_prompt_tokens,

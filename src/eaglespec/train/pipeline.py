@@ -38,7 +38,12 @@ from eaglespec.train.data import read_all, with_variants
 from eaglespec.train.features import FeatureShard, capture_features, load_shard, shard_paths
 from eaglespec.train.meter import Meter
 from eaglespec.train.regen import RegenConfig, Sample, read_samples, regenerate
-from eaglespec.train.synth import SynthConfig, summary_prompts, synthesize_prompts
+from eaglespec.train.synth import (
+    SynthConfig,
+    completion_prompts,
+    summary_prompts,
+    synthesize_prompts,
+)
 from eaglespec.train.trainer import StepStats, TrainConfig, evaluate, train, world
 from eaglespec.train.vocab import DraftVocab, build_draft_vocab
 
@@ -57,6 +62,7 @@ class PipelineConfig:
     regen: RegenConfig = field(default_factory=RegenConfig)
     summaries: int = 0  # "Summarize: <answer>" prompts over the target's own long answers
     summary_min_tokens: int = 150  # answers at least this long are summarized
+    completions: int = 0  # "Complete the code I provided." over the target's own functions
     init_from: Path | None = None  # a head to continue training (weights; vocabulary rebuilt)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
     capture: tuple[int, ...] | None = None  # boundary ids; default (2, N//2, N-3)
@@ -126,19 +132,29 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         summary = regenerate(
             target.model, target.tokenizer, convs, responses, cfg.regen, on_batch=meter.add
         )
-        if cfg.summaries:
+        if cfg.summaries or cfg.completions:
+            answers = read_samples(responses)
             extra = summary_prompts(
                 target.tokenizer,
-                read_samples(responses),
+                answers,
                 cfg.summaries,
                 cfg.summary_min_tokens,
                 cfg.regen.seed,
             )
             log(f"regen: {len(extra)} summaries of the target's own answers")
+            completions = completion_prompts(
+                target.tokenizer, answers, cfg.completions, cfg.regen.seed
+            )
+            log(f"regen: {len(completions)} completions of the target's own code")
             uncapped = replace(cfg.regen, max_samples=None)
             first = summary
             summary = regenerate(
-                target.model, target.tokenizer, extra, responses, uncapped, on_batch=meter.add
+                target.model,
+                target.tokenizer,
+                extra + completions,
+                responses,
+                uncapped,
+                on_batch=meter.add,
             )
             summary = replace(
                 summary,

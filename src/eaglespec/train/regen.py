@@ -102,6 +102,8 @@ def regenerate(
     eot = tokenizer.eos_ids[0]  # the chat template's end-of-turn token comes first
     new = skipped = 0
     max_turns = max(len(c.turns) for c in convs)
+    # a prompt must leave room for an answer in the model's context, whatever --max-prompt-tokens
+    max_prompt = min(cfg.max_prompt_tokens, model.cfg.context_limit - 1)
     params = SamplingParams(
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed
     )
@@ -115,7 +117,7 @@ def regenerate(
                 ids = _context(tokenizer, c, t, done)
                 if ids is None:
                     continue  # an earlier turn was skipped
-                if len(ids) > cfg.max_prompt_tokens:
+                if len(ids) > max_prompt:
                     skipped += 1
                     continue
                 todo.append((key, ids))

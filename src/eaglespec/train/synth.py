@@ -8,6 +8,9 @@ Two kinds, both from the target alone (no outside data, never the evaluation set
   writing, advice, QA and code far more widely than a few hundred seed tasks.
 - **Summaries of its own answers**: "Summarize: <text>" over the longest regenerated responses,
   so the head also learns summarization, where the answer copies from a long context.
+- **Completions of its own code**: "Complete the code I provided." over the Python functions of
+  its own answers, cut after the signature and docstring, so the head also learns to continue a
+  given stub (the HumanEval form) rather than only to write code from a description.
 
 Self-asked prompts are appended to `synth_prompts.jsonl` (one JSON object per line, `turns` as in
 FastChat questions, plus the seed) as each is written, so an interrupted run keeps what it has.
@@ -30,6 +33,8 @@ from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 
 _SENTINEL = "\x00eaglespec-user-turn\x00"
 SUMMARIZE = "Summarize: {text}"
+COMPLETE = "Complete the code I provided.\n\n{stub}"
+_DERIVED = (":summarize", ":complete")  # sources of prompts made from answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +118,7 @@ def summary_prompts(
     pool = [
         s
         for s in samples
-        if s.finish == "stop" and len(s.response) >= min_tokens and ":summarize" not in s.key
+        if s.finish == "stop" and len(s.response) >= min_tokens and not _derived(s.key)
     ]
     random.Random(f"{seed}:summarize").shuffle(pool)
     return [
@@ -122,3 +127,57 @@ def summary_prompts(
         )
         for s in pool[:count]
     ]
+
+
+def completion_prompts(
+    tokenizer: Tokenizer, samples: Sequence[Sample], count: int, seed: int = 0
+) -> list[Conversation]:
+    """`count` code-completion prompts over a seeded choice of the distinct function stubs
+    (`code_stubs`) in answers that ended by themselves; the source names the answer."""
+    pool: dict[str, str] = {}  # stub -> source, first answer wins
+    for s in samples:
+        if s.finish == "stop" and not _derived(s.key):
+            for i, stub in enumerate(code_stubs(tokenizer.decode(s.response))):
+                pool.setdefault(stub, f"{s.key}:complete{i}")
+    stubs = sorted(pool)
+    random.Random(f"{seed}:complete").shuffle(stubs)
+    return [Conversation((COMPLETE.format(stub=stub),), pool[stub]) for stub in stubs[:count]]
+
+
+def code_stubs(text: str) -> list[str]:
+    """The top-level Python functions of fenced code blocks in `text`, each cut after its
+    signature and, where one follows, its docstring: what is left is for the model to write.
+    Functions with an empty body left (the docstring was all there was) are skipped."""
+    stubs = []
+    for block in text.split("```")[1::2]:
+        lines = block.split("\n")[1:]  # the fence's language tag
+        for i, line in enumerate(lines):
+            if not line.startswith("def "):
+                continue
+            end = i
+            while end < len(lines) and not lines[end].rstrip().endswith(":"):
+                end += 1  # a signature over several lines
+            end += 1
+            body = [j for j in range(end, len(lines)) if lines[j].strip()]
+            if body and lines[body[0]].strip()[:3] in ('"""', "'''"):
+                quote, first = lines[body[0]].strip()[:3], body[0]
+                close = next(
+                    (
+                        j
+                        for j in range(first, len(lines))
+                        if lines[j].count(quote) >= 2 - (j > first)
+                    ),
+                    None,
+                )
+                if close is None:
+                    continue
+                end = close + 1
+                body = [j for j in body if j >= end]
+            if not body or not lines[body[0]].startswith((" ", "\t")):
+                continue  # nothing of the body left to write
+            stubs.append("\n".join(lines[i:end]) + "\n")
+    return stubs
+
+
+def _derived(key: str) -> bool:
+    return any(tag in key for tag in _DERIVED)
