@@ -86,8 +86,11 @@ def test_results_schema_and_values(bench_run: Path) -> None:
         assert s["mean_accept_length"] >= 1.0 and s["forwards"] > 0
         assert all(0.0 <= r <= 1.0 for r in s["accept_rate_by_position"])
         t = s["round_time"]
-        parts = t["draft_ms"] + t["verify_ms"] + t["other_ms"]
-        assert t["draft_ms"] >= 0 and parts == pytest.approx(t["total_ms"])
+        # draft and verify are timed apart from the round's wall time: they must fit inside it
+        # (other_ms is the rest by subtraction, so it is never negative when they do)
+        assert t["draft_ms"] > 0 and t["verify_ms"] > 0
+        assert t["draft_ms"] + t["verify_ms"] <= t["total_ms"] * (1 + 1e-9)
+        assert t["other_ms"] >= 0
     assert len(summary["eagle3-tree"]["accept_rate_by_position"]) <= 2  # tree depth 2
     # Categories from the file, the file name where a question has none; plain 1.0x in each.
     assert list(data["groups"]) == ["story", "code", "fox"]

@@ -27,6 +27,7 @@ from helpers import (
     step_positions,
     tiny_target,
 )
+from oracle import OracleProposer
 
 pytestmark = pytest.mark.skipif(
     cpu_layer.available() is not None, reason=f"fused layer unavailable: {cpu_layer.available()}"
@@ -77,16 +78,26 @@ def test_the_fused_layer_has_the_python_forwards_bits(
     assert torch.equal(fused_cache, python_cache)
 
 
-def test_speculation_over_the_fused_layer_is_lossless() -> None:
+@pytest.mark.parametrize("draft", ["random-head", "oracle-noisy"])
+def test_speculation_over_the_fused_layer_is_lossless(draft: str) -> None:
+    """A random head (drafts rejected) and an oracle that drafts the plain continuation with
+    every third token wrong, so accepted runs, bonus tokens and rejections all go through
+    multi-token verification in the fused layer."""
     target = _target(torch.bfloat16)
     prompts = [[5, 17, 33, 2, 8], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (14, 9, 20)]
     plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
-    proposer = Eagle3Proposer(random_eagle3(target, seed=1), (1, 2, 3))
+    if draft == "random-head":
+        proposer = Eagle3Proposer(random_eagle3(target, seed=1), (1, 2, 3))
+    else:
+        seqs = [p + o.token_ids + [0] * 8 for p, o in zip(prompts, plain, strict=True)]
+        proposer = OracleProposer(seqs, V, wrong_every=3)
     spec = collect_outputs(
         generate_speculative(target, proposer, NullTokenizer(), prompts, params, num_draft=3)
     )
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    if draft == "oracle-noisy":
+        assert sum(o.stats.accepted_tokens for o in spec) > 10  # the accept path ran
 
 
 def test_the_fused_layer_steps_aside() -> None:
