@@ -4,11 +4,16 @@
 
 Dims: M rows (B * T flattened), K in features, N out features, G = 32 features per group.
 
-Weights are int4's codes (quant.int4_codes: per group of 32 inputs, codes q in 0..15 and a scale,
-exact on GGUF Q4_0/Q4_1/Q4_K blocks); the scale s and the group minimum mn are stored as fp16,
-GGUF's own type for them, so w = q * s + mn. Activations are quantized per row and per group to
-int8 inside the kernel, as llama.cpp does for its 4-bit formats (Q8_0 activations for
-Q4_0/Q4_1, Q8_K for the K-quants):
+Weights are int4's codes (quant.int4_codes: per group of 32 inputs, codes q in 0..15 and a scale);
+the scale s and the group minimum mn are stored as fp16, GGUF's own type for them, so
+w = q * s + mn. Not bitwise the file's weights (measured 2026-11-26): the loader quantizes from
+weights already cast to the model dtype (bf16 by default), and int4_codes rounds scales to bf16,
+so a Q4_1 group's s and mn come back within bf16 rounding of the file's fp16 d and m (SmolLM2,
+one layer's w2: up to 0.0073 off; 0 when quantized from fp32 with fp16 scales, which moved the
+default precision's NLL of fp32's own text by 0.001 nats and its top-1 not at all).
+
+Activations are quantized per row and per group to int8 inside the kernel, as llama.cpp does
+for its 4-bit formats (Q8_0 activations for Q4_0/Q4_1, Q8_K for the K-quants):
 
     dx[m, g] = absmax_g |x[m, :]| / 127,  xq[m, k] = round(x[m, k] / dx[m, g])   (int8)
     y[m, n]  = sum_g s[n, g] * dx[m, g] * sum_{k in g} q[n, k] * xq[m, k]
@@ -268,8 +273,8 @@ class W4A8Linear(_QuantLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> W4A8Linear:
-        """int4's codes and scales (quant.int4_codes, exact on GGUF Q4_0/Q4_1/Q4_K weights),
-        with the group minimum itself as the offset."""
+        """int4's codes and scales (quant.int4_codes; see the module doc on exactness), with the
+        group minimum itself as the offset."""
         _check_shape(*linear.weight.shape)
         q, s, lo = int4_codes(linear.weight.detach().float())
         bias = None if linear.bias is None else linear.bias.detach().clone()
