@@ -10,7 +10,17 @@
 #            the server at 1 and 16 streams, then head training at scale on the GPU
 #
 # Run from the repository root on the device: bash benchmarks/gpu_check.sh STAGE
-# with .whl/ (the wheels the image lacks), .gpu/pN/part, .gpu/eval and .gpu/train carried.
+# with .whl/ (the wheels the image lacks), .gpu/pN/part, .gpu/eval and .gpu/train carried
+# (stage 1: .whl .gpu/p1; stage 2: .whl .gpu/p2; stage 3: .whl .gpu/p3 .gpu/eval .gpu/train).
+# Prepared here, both folders listed in .git/info/exclude:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d .whl gguf platformdirs fastapi starlette pydantic \
+#     pydantic_core annotated_types annotated-doc typing_inspection uvicorn opentelemetry-api
+#   G=$(eaglespec pull smollm2-135m | tail -1); mkdir -p .gpu/p1 .gpu/p2 .gpu/p3 .gpu/eval .gpu/train
+#   dd if=$G of=.gpu/p1/part bs=1M count=36; dd if=$G of=.gpu/p2/part bs=1M skip=36 count=36
+#   dd if=$G of=.gpu/p3/part bs=1M skip=72; cp ../shared/data/eval/*.jsonl .gpu/eval
+#   cp ../shared/data/train/* .gpu/train
+# Each stage must start within the machine's 30 s idle window of the last, or the parts are lost.
 set -uo pipefail
 stage=$1
 OUT=${OUT:-/tmp/out}
