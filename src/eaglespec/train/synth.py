@@ -160,15 +160,11 @@ def code_stubs(text: str) -> list[str]:
             end += 1
             body = [j for j in range(end, len(lines)) if lines[j].strip()]
             if body and lines[body[0]].strip()[:3] in ('"""', "'''"):
-                quote, first = lines[body[0]].strip()[:3], body[0]
-                close = next(
-                    (
-                        j
-                        for j in range(first, len(lines))
-                        if lines[j].count(quote) >= 2 - (j > first)
-                    ),
-                    None,
-                )
+                first = body[0]
+                quote = lines[first].strip()[:3]
+                # the docstring closes on its opening line, or on the first later line quoting
+                later = (j for j in range(first + 1, len(lines)) if quote in lines[j])
+                close = first if lines[first].count(quote) >= 2 else next(later, None)
                 if close is None:
                     continue
                 end = close + 1
