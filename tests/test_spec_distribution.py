@@ -1,8 +1,11 @@
 """Sampled speculative decoding reproduces the target's distribution: over thousands of rows, the
 second generated token (the first one that goes through draft verification) follows
-sum_t1 p(t1) p(t2 | t1), computed exactly from the target. Chi-square at p = 0.001."""
+sum_t1 p(t1) p(t2 | t1), computed exactly from the target. Chi-square at p = 0.001. On the CPU,
+and on a CUDA GPU where there is one (marked gpu)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -37,14 +40,25 @@ def _exact_second_token(target: Transformer, prompt: list[int], temperature: flo
     return sum(p1[t] * probs(prompt + [t]) for t in range(V))
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("tree", [None, TreeConfig(depth=2, top_k=3, num_nodes=5)])
-def test_second_token_follows_the_target(target: Transformer, tree) -> None:
+def test_second_token_follows_the_target(target: Transformer, tree, device: str) -> None:
     torch.manual_seed(123)  # rows without a seed draw from the global generator
     prompt, n, temperature = [3, 1, 4], 6000, 0.9
-    proposer = Eagle3Proposer(random_eagle3(target, seed=5), (1, 2, 3))
+    model = target if device == "cpu" else copy.deepcopy(target).to(device)  # fp32: RoPE stays
+    proposer = Eagle3Proposer(random_eagle3(model, seed=5), (1, 2, 3))
     params = [SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)] * n
     events = generate_speculative(
-        target, proposer, NullTokenizer(), [prompt] * n, params, num_draft=2, tree=tree
+        model, proposer, NullTokenizer(), [prompt] * n, params, num_draft=2, tree=tree
     )
     outs = collect_outputs(events)
     second = torch.tensor([o.token_ids[1] for o in outs])
