@@ -6,10 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from eaglespec.cli import main
+from eaglespec.config import SamplingParams
+from eaglespec.generate import generate_stream
 from eaglespec.model.loader import load_model
 from eaglespec.model.precision import choose
+from eaglespec.requests import collect_outputs
 
 
 def _gguf(decoder: str, head: str | None, tied: bool = False, layers: int = 2) -> dict[str, str]:
@@ -115,8 +119,6 @@ PROMPTS = ["Explain why the sky is blue in two sentences.", "What is 17 times 23
 def _teacher_forced(model, cases: list[tuple[list[int], list[int]]]) -> tuple[float, list[float]]:
     """Share of continuation tokens that are `model`'s argmax (pooled), and its mean NLL of each
     case's continuation, reading prompt + continuation in one forward."""
-    import torch
-
     hits, total, nlls = 0, 0, []
     for prompt, cont in cases:
         ids = torch.tensor([prompt + cont])
@@ -136,10 +138,6 @@ def test_the_default_precision_stays_close_to_fp32(real_gguf: Path) -> None:
     of the same file, teacher-forced on fp32's own greedy continuations: measured 2026-11-25 at
     top-1 0.89-0.97 per prompt and +0.014-0.023 nats of NLL. A conversion that is wrong but runs
     (two decoder layers swapped) must fail the same bounds, so they can catch one."""
-    from eaglespec.config import SamplingParams
-    from eaglespec.generate import generate_stream
-    from eaglespec.requests import collect_outputs
-
     ref = load_model(real_gguf, dtype="float32", quant="none")
     default = load_model(real_gguf, dtype="auto", quant="auto")
     tok = ref.tokenizer
