@@ -10,7 +10,6 @@ so low-precision runs are close to transformers', not bitwise equal.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -131,11 +130,13 @@ def attend(
         return attend_fused(q, k, v, mask)
     if not causal and q.device.type == "cpu" and q.dtype != torch.float32:
         return attend_math(q, k, v, mask)
-    backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else nullcontext()
-    with backends:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
-        )
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cuda":
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 # SDPA's backends on CUDA, in PyTorch's order of preference: all but cuDNN's. On an H100 (PyTorch
