@@ -66,3 +66,16 @@ def test_capture_that_is_not_integers_names_the_flag(
     assert main([*args, "--capture", "2,x,27"]) == 2
     assert "--capture takes comma-separated integers, got '2,x,27'" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--synth-prompts", "--summaries", "--completions"])
+def test_train_refuses_a_negative_number_of_prompts(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    args = ["train", "--data", str(tmp_path / "d.jsonl"), "--out", str(out), flag, "-1"]
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    assert f"argument {flag}: must be 0 or more, got -1" in capsys.readouterr().err
+    assert not out.exists()

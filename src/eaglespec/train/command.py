@@ -41,14 +41,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--limit-per-file", type=int, help="first N conversations of each file")
     p.add_argument(
         "--synth-prompts",
-        type=int,
+        type=_count,
         default=0,
         metavar="N",
         help="add N prompts the target writes itself (Magpie: sampled from an empty user turn)",
     )
     p.add_argument(
         "--summaries",
-        type=int,
+        type=_count,
         default=0,
         metavar="N",
         help="add N 'Summarize: ...' prompts over the target's own longest answers",
@@ -62,7 +62,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     p.add_argument(
         "--completions",
-        type=int,
+        type=_count,
         default=0,
         metavar="N",
         help="add N 'Complete the code I provided.' prompts over the functions in the target's "
@@ -130,6 +130,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--eval-prompts", type=int, default=24)
     g.add_argument("--eval-max-tokens", type=int, default=128)
     g.add_argument("--eval-draft-tokens", type=int, default=4)
+
+
+def _count(text: str) -> int:
+    """A number of prompts to add: an integer, 0 or more (argparse names the flag on error)."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
 
 
 def cmd_train(args: argparse.Namespace) -> int:
