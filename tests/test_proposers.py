@@ -13,9 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eaglespec.config import SamplingParams
+from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.draft_model import DraftModelProposer
+from eaglespec.draft.hybrid import HybridProposer
+from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.lookup import NgramIndex, PromptLookupProposer
+from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import ModelLoadError
 from eaglespec.generate import generate_stream
@@ -37,16 +40,20 @@ def _params(lengths=MAX_TOKENS) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
 
 
-def _spec(target, proposer, k, prompts=PROMPTS, params=None) -> list[RequestOutput]:
+def _spec(target, proposer, k, prompts=PROMPTS, params=None, tree=None) -> list[RequestOutput]:
     params = params or _params()
-    events = generate_speculative(target, proposer, NullTokenizer(), prompts, params, num_draft=k)
+    events = generate_speculative(
+        target, proposer, NullTokenizer(), prompts, params, num_draft=k, tree=tree
+    )
     return collect_outputs(events)
 
 
-def _assert_lossless(target, proposer, k, prompts=PROMPTS, params=None) -> list[RequestOutput]:
+def _assert_lossless(
+    target, proposer, k, prompts=PROMPTS, params=None, tree=None
+) -> list[RequestOutput]:
     params = params or _params()
     plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
-    spec = _spec(target, proposer, k, prompts, params)
+    spec = _spec(target, proposer, k, prompts, params, tree)
     for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason == "length"
@@ -136,11 +143,10 @@ def _first_lap(tokens: list[int]) -> int:
     raise AssertionError(f"no cycle in {tokens}")
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_lookup_accepts_a_repeating_pattern(k: int) -> None:
-    # Attention zeroed: each next token depends on the current token only, so greedy decoding
-    # follows a map on 96 tokens and falls into a cycle. Once the history holds one lap, the
-    # latest earlier occurrence of any suffix is followed by the right tokens: all accepted.
+def _cycling() -> tuple[Transformer, list[list[int]]]:
+    """Attention zeroed: each next token depends on the current token only, so greedy decoding
+    follows a map on 96 tokens and falls into a cycle. The prompts hold one lap of it, so the
+    latest earlier occurrence of any suffix is followed by the right tokens."""
     bigram = tiny_target(5, vocab=V, layers=2)
     with torch.no_grad():
         for block in bigram.layers:
@@ -151,9 +157,56 @@ def test_lookup_accepts_a_repeating_pattern(k: int) -> None:
     prompts = [
         p + o.token_ids[: _first_lap(o.token_ids)] for p, o in zip(PROMPTS, plain, strict=True)
     ]
+    return bigram, prompts
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_lookup_accepts_a_repeating_pattern(k: int) -> None:
+    bigram, prompts = _cycling()
     spec = _assert_lossless(bigram, PromptLookupProposer(), k, prompts, _params([25, 30, 31]))
     for out in spec:
         assert out.stats.accepted_tokens == out.stats.draft_tokens == k * out.stats.rounds
+
+
+# --- EAGLE-3 with prompt lookup grafted in -------------------------------------------------------
+
+
+def _hybrid(target: Transformer, lookup_tokens: int = 3, min_ngram: int = 1) -> HybridProposer:
+    head = Eagle3Proposer(random_eagle3(target, seed=3), (1, 3, 4))
+    return HybridProposer(head, lookup_tokens, min_ngram=min_ngram)
+
+
+@pytest.mark.parametrize(
+    ("k", "tree"), [(1, None), (3, None), (0, TreeConfig(depth=3, top_k=2, num_nodes=5))]
+)
+def test_hybrid_is_lossless(target: Transformer, k: int, tree: TreeConfig | None) -> None:
+    # A random head rarely agrees with the target and unigram matches often mislead: grafts are
+    # verified, mostly rejected, sometimes accepted, and the output never changes.
+    spec = _assert_lossless(target, _hybrid(target), k, tree=tree)
+    assert sum(o.stats.accepted_tokens for o in spec) > 0
+
+
+@pytest.mark.parametrize(
+    ("k", "tree"), [(1, None), (2, None), (0, TreeConfig(depth=2, top_k=2, num_nodes=4))]
+)
+def test_hybrid_accepts_what_the_context_repeats(k: int, tree: TreeConfig | None) -> None:
+    # On a cycle lookup is always right: each round accepts the head's drafts that happen to be
+    # right and then the whole graft of 3, whatever the random head drafted. Alone the head
+    # accepts next to nothing.
+    bigram, prompts = _cycling()
+    params = _params([25, 30, 31])
+    head = Eagle3Proposer(random_eagle3(bigram, seed=3), (1, 2, 2))
+    alone = _assert_lossless(bigram, head, k, prompts, params, tree)
+    both = _assert_lossless(bigram, HybridProposer(head, 3), k, prompts, params, tree)
+    for a, b in zip(alone, both, strict=True):
+        assert b.stats.rounds < a.stats.rounds
+        # every round but the last few (the request's own end cuts them) accepts >= 3 tokens
+        assert b.stats.accepted_tokens >= 3 * (b.stats.rounds - 2)
+
+
+def test_hybrid_refuses_no_lookup_tokens(target: Transformer) -> None:
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        _hybrid(target, lookup_tokens=0)
 
 
 def _index(history: list[int], max_ngram: int = 3, min_ngram: int = 1) -> NgramIndex:
@@ -236,6 +289,7 @@ PROPOSERS = {
         tiny_target(7, vocab=V, layers=2, hidden=32), target_vocab_size=V
     ),
     "lookup": lambda t: PromptLookupProposer(),
+    "eagle3+lookup": lambda t: _hybrid(t),
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eaglespec.config import SamplingParams, TreeConfig
+from eaglespec.draft.hybrid import HybridProposer
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
@@ -50,12 +51,17 @@ CUDA = pytest.param(
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("lookup", [0, 2], ids=["head", "head+lookup"])
 @pytest.mark.parametrize("tree", [None, TreeConfig(depth=2, top_k=3, num_nodes=5)])
-def test_second_token_follows_the_target(target: Transformer, tree, device: str) -> None:
+def test_second_token_follows_the_target(
+    target: Transformer, tree, lookup: int, device: str
+) -> None:
     torch.manual_seed(123)  # rows without a seed draw from the global generator
     prompt, n, temperature = [3, 1, 4], 6000, 0.9
     model = target if device == "cpu" else copy.deepcopy(target).to(device)  # fp32: RoPE stays
     proposer = Eagle3Proposer(random_eagle3(model, seed=5), (1, 2, 3))
+    if lookup:  # unigram matches: a first token among 3, 1, 4 grafts what followed it
+        proposer = HybridProposer(proposer, lookup, min_ngram=1)
     params = [SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)] * n
     events = generate_speculative(
         model, proposer, NullTokenizer(), [prompt] * n, params, num_draft=2, tree=tree

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglespec.tree import build_tree, chain_tree, verify_positions
+from eaglespec.tree import build_tree, chain_tree, graft_chain, verify_positions
 
 
 def _example():
@@ -71,3 +71,63 @@ def test_batch_rows_with_different_shapes() -> None:
     assert t.depth.tolist() == [[0, 1, 2, 3], [0, 1, 1, 1]]
     assert t.children[1, 0].tolist() == [1, 2, 3]
     assert t.paths[1, 3].tolist() == [0, 3, -1, -1]
+
+
+# --- grafting a candidate chain (prompt lookup) into a drafted tree ------------------------------
+
+
+def _grafted(chain: list[int], length: int):
+    return graft_chain(_example(), torch.tensor([chain]), length)
+
+
+def test_graft_continues_below_the_deepest_node_that_spells_the_chain() -> None:
+    # The chain starts a, c (nodes 1, 3) then goes x, y where the tree has e (node 5) after c.
+    t = _grafted([11, 13, 20, 21, 22, 23], 2)
+    assert t.tokens.tolist() == [[10, 11, 12, 13, 14, 15, 20, 21]]
+    assert t.parents.tolist() == [[-1, 0, 0, 1, 2, 3, 3, 6]]
+    assert t.depth.tolist() == [[0, 1, 1, 2, 2, 3, 3, 4]]
+    assert t.paths[0, 7].tolist() == [0, 1, 3, 6, 7, -1]
+    assert t.children[0, 3].tolist() == [5, 6, -1]
+    assert (t.max_depth, t.max_children) == (5, 3)
+
+
+def test_graft_of_a_whole_drafted_path_extends_it() -> None:
+    # a, c, e is the tree's deepest path: the graft hangs chain[3:5] below e (node 5).
+    t = _grafted([11, 13, 15, 30, 31, 32], 2)
+    assert t.tokens.tolist() == [[10, 11, 12, 13, 14, 15, 30, 31]]
+    assert t.parents.tolist() == [[-1, 0, 0, 1, 2, 3, 5, 6]]
+    assert t.depth[0, -1].item() == 5
+
+
+def test_graft_without_a_match_is_a_new_branch_of_the_root() -> None:
+    # b matches node 2 but chain[1] = 99 is no child of it: graft from chain[1] under b. A chain
+    # that starts with a token the tree lacks goes under the root.
+    t = _grafted([12, 99, 98, 0, 0, 0], 3)
+    assert t.parents.tolist()[0][6:] == [2, 6, 7]
+    assert t.tokens.tolist()[0][6:] == [99, 98, 0]
+    t = _grafted([50, 51, 52, 53, 54, 55], 3)
+    assert t.parents.tolist()[0][6:] == [0, 6, 7]
+    assert t.tokens.tolist()[0][6:] == [50, 51, 52]
+    assert t.depth.tolist()[0][6:] == [1, 2, 3]
+
+
+def test_graft_per_row_and_onto_a_chain() -> None:
+    # Row 0's chain repeats the drafts then continues (a longer chain); row 1's departs at once.
+    chain = chain_tree(torch.tensor([1, 1]), torch.tensor([[2, 3], [2, 3]]))
+    t = graft_chain(chain, torch.tensor([[2, 3, 4, 5], [7, 8, 9, 9]]), 2)
+    assert t.tokens.tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 7, 8]]
+    assert t.parents.tolist() == [[-1, 0, 1, 2, 3], [-1, 0, 1, 0, 3]]
+    assert t.mask[1].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 0, 0, 1, 0],
+        [1, 0, 0, 1, 1],
+    ]
+    assert not t.is_chain  # bounds, not data: row 1 branches
+
+
+def test_graft_refuses_sampled_drafts() -> None:
+    chain = chain_tree(torch.tensor([1]), torch.tensor([[2]]), draft_probs=torch.ones(1, 2, 4))
+    with pytest.raises(ValueError, match="deterministic"):
+        graft_chain(chain, torch.tensor([[2, 3]]), 1)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eaglespec.config import SamplingParams
+from eaglespec.draft.base import GraftingProposer
 from eaglespec.paths import cache_dir
 from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft
 from eaglespec.registry import sha256_file
@@ -53,6 +54,7 @@ class CalibrationKey:
     draft_content: str | None  # draft_fingerprint(draft): None for names and "random"
     num_draft: int
     tree: str | None
+    lookup_tokens: int  # prompt-lookup tokens grafted into each round (0: none)
     device: str
     dtype: str
     quant: str
@@ -124,6 +126,7 @@ def calibration_key(llm: LLM) -> CalibrationKey:
         draft_content=content,
         num_draft=llm.num_draft,
         tree=None if tree is None else f"{tree.depth},{tree.top_k},{tree.num_nodes}",
+        lookup_tokens=llm.lookup_tokens,
         device=str(llm.model.device),
         dtype=str(llm.model.dtype).removeprefix("torch."),
         quant=llm.quant,
@@ -212,7 +215,8 @@ def calibrate(
     """Decode `prompts` (greedy, batch 1, one warm-up first) once per arm; returns the policy
     holding the measurements and one row per arm."""
     assert llm.proposer is not None, "calibration needs a draft"
-    policy = AdaptiveDraft(max(1, llm.num_draft), llm.tree)
+    grafts = isinstance(llm.proposer, GraftingProposer)
+    policy = AdaptiveDraft(max(1, llm.num_draft), llm.tree, measure_tokens=grafts)
     params = SamplingParams(max_tokens=max_tokens)
     rows = []
     collect_outputs(llm.stream([prompts[0]], SamplingParams(max_tokens=8)))  # warm-up

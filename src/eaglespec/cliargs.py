@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
-from eaglespec.methods import METHODS
+from eaglespec.methods import DEFAULT_LOOKUP_TOKENS, METHODS
 from eaglespec.model.llama import COMPILE_MODES
 from eaglespec.model.precision import AUTO
 from eaglespec.model.quant import QUANT_MODES
@@ -96,6 +96,14 @@ def add_speculation_args(p: argparse.ArgumentParser, *, default_method: str = "n
         help="draft an EAGLE-2 dynamic tree instead of a chain, e.g. 4,4,16 (eagle3 only)",
     )
     spec.add_argument(
+        "--lookup-tokens",
+        type=int,
+        default=None,
+        help="eagle3: also verify up to N prompt-lookup tokens each round where the context "
+        "already holds what follows its last tokens (quoted text, repeated code), in the same "
+        f"forward as the head's drafts; 0: off. Default: {DEFAULT_LOOKUP_TOKENS} with eagle3",
+    )
+    spec.add_argument(
         "--speculation",
         choices=SPECULATION_MODES,
         default="adaptive",
@@ -124,6 +132,9 @@ def load_llm(args: argparse.Namespace, *, progress: bool, default_method: str = 
         shipped = default_method != "eagle3" or packaged_head(args.model) is not None
         method = default_method if shipped else "none"
     method, draft = method_and_draft(args.model, method, args.draft)
+    lookup = args.lookup_tokens
+    if lookup is None:
+        lookup = DEFAULT_LOOKUP_TOKENS if method == "eagle3" else 0
     return LLM(
         args.model,
         dtype=args.dtype,
@@ -137,6 +148,7 @@ def load_llm(args: argparse.Namespace, *, progress: bool, default_method: str = 
         tree=tree_config(args.tree, "--tree") if args.tree else None,
         capture=int_list(args.capture, "--capture") if args.capture else None,
         speculation=args.speculation,
+        lookup_tokens=lookup,
     )
 
 

@@ -21,7 +21,7 @@ import torch
 
 from eaglespec.cache import KVCache, compact_order
 from eaglespec.config import SamplingParams, TreeConfig
-from eaglespec.draft.base import Proposer, TreeProposer
+from eaglespec.draft.base import GraftingProposer, Proposer, TreeProposer
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import next_tokens, pad_right, step_logprobs
 from eaglespec.logprobs import TokenLogprob, to_host, token_logprobs
@@ -134,7 +134,9 @@ def generate_speculative(
     an EAGLE-2 dynamic tree of `tree.num_nodes` tokens when `tree` is given. A `policy`
     (policy.py) picks each round's shape instead, up to that size, and learns from the rounds."""
     check_speculation(proposer, params, tree)
-    runner = BatchRunner(target, proposer, tokenizer, max_draft=draft_width(num_draft, tree))
+    runner = BatchRunner(
+        target, proposer, tokenizer, max_draft=draft_width(num_draft, tree, proposer)
+    )
     yield from runner.join(prompts, params, range(len(prompts)))
     if policy is None:
         policy = FixedDraft(DraftChoice(num_draft, tree))
@@ -151,9 +153,11 @@ def check_speculation(
         raise InvalidRequestError("tree drafting needs an EAGLE-3 head (--method eagle3)")
 
 
-def draft_width(num_draft: int, tree: TreeConfig | None) -> int:
-    """Draft tokens a round verifies at most: the chain length, or the tree's node count."""
-    return max(num_draft, tree.num_nodes if tree is not None else 0)
+def draft_width(num_draft: int, tree: TreeConfig | None, proposer: Proposer | None) -> int:
+    """Draft tokens a round verifies at most: the chain length, or the tree's node count, and
+    what a grafting proposer adds to either."""
+    grafted = proposer.graft_tokens if isinstance(proposer, GraftingProposer) else 0
+    return max(num_draft, tree.num_nodes if tree is not None else 0) + grafted
 
 
 class BatchRunner:
@@ -378,6 +382,8 @@ def speculate_round(
         roots = batch.roots  # (B,)
         drafts = proposer.propose(batch.draft, k) if k else roots.new_empty(len(roots), 0)
         drafted = chain_tree(roots, drafts)
+    if isinstance(proposer, GraftingProposer):
+        drafted = proposer.graft(batch.draft, drafted, room)
     clock.mark()
     prefix = torch.tensor(batch.cache.lengths, device=batch.roots.device)
     out: ForwardOutput = target(

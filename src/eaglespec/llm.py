@@ -8,7 +8,7 @@ from typing import cast
 import torch
 
 from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
-from eaglespec.draft.base import Proposer
+from eaglespec.draft.base import GraftingProposer, Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.methods import compile_proposer, make_proposer
@@ -56,6 +56,7 @@ class LLM:
         tree: TreeConfig | None = None,
         capture: Sequence[int] | None = None,
         speculation: str = "on",
+        lookup_tokens: int = 0,
     ) -> None:
         """Speculative decoding: `method` "eagle3" (with `draft` an EAGLE-3 checkpoint folder, or
         "random" for a seeded random head, which tests the mechanics but accepts little),
@@ -65,7 +66,9 @@ class LLM:
         `capture` overrides the head's target layers (boundary indices). `speculation` "on"
         drafts that shape every round, "adaptive" picks each round's chain length (or the tree)
         from measured round times and observed acceptance (policy.py; the policy lives with
-        this LLM and keeps learning across calls), "off" decodes plainly."""
+        this LLM and keeps learning across calls), "off" decodes plainly. `lookup_tokens` > 0
+        (eagle3): each round also verifies up to that many prompt-lookup tokens where the
+        context repeats its last tokens (draft/hybrid.py)."""
         self.loaded: LoadedModel = load_model(
             resolve_model(model, progress=progress), dtype=dtype, device=device, quant=quant
         )
@@ -74,16 +77,27 @@ class LLM:
         self.quant = self.loaded.precision.quant  # "auto" resolved
         self.num_draft = num_draft
         self.tree = tree
+        self.lookup_tokens = lookup_tokens
         check_compile_mode(compile)  # before the draft loads, not after
         spec = make_proposer(
-            self.method, draft, self.loaded, capture=capture, quant=self.quant, progress=progress
+            self.method,
+            draft,
+            self.loaded,
+            capture=capture,
+            quant=self.quant,
+            progress=progress,
+            lookup_tokens=lookup_tokens,
         )
         self.loaded.model.compile_steps(compile)
         compile_proposer(spec.proposer, compile)
         self.proposer: Proposer | None = spec.proposer
         self.speculation = speculation
         self.policy: DraftPolicy = make_policy(
-            speculation, num_draft, tree, has_draft=self.proposer is not None
+            speculation,
+            num_draft,
+            tree,
+            has_draft=self.proposer is not None,
+            grafts=isinstance(self.proposer, GraftingProposer),
         )
         self.draft_report = spec.report  # one line on the draft, "" for plain decoding
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from eaglespec.draft.base import Proposer
 from eaglespec.draft.config import default_capture
 from eaglespec.draft.draft_model import DraftModelProposer
+from eaglespec.draft.hybrid import HybridProposer
 from eaglespec.draft.loader import load_eagle3, random_eagle3
 from eaglespec.draft.lookup import PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
@@ -17,6 +18,9 @@ from eaglespec.model.quant import quantize_model
 from eaglespec.registry import resolve_model
 
 METHODS = ("eagle3", "draft-model", "lookup", "none")
+# Prompt-lookup tokens the commands graft into an EAGLE-3 head's rounds (BENCHMARKS.md, "Prompt
+# lookup inside EAGLE-3's rounds")
+DEFAULT_LOOKUP_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +37,19 @@ def make_proposer(
     capture: Sequence[int] | None = None,
     quant: str = "none",
     progress: bool = True,
+    lookup_tokens: int = 0,
 ) -> Speculation:
     """`draft` is an EAGLE-3 folder (or "random") for eagle3, a model name or path for
     draft-model, unused for lookup. `quant` applies to the draft's own linear layers (an EAGLE-3
-    head's shared embedding and lm_head are the target's, quantized with it)."""
+    head's shared embedding and lm_head are the target's, quantized with it). `lookup_tokens` > 0
+    grafts that many prompt-lookup tokens into each eagle3 round's drafts (draft/hybrid.py)."""
     if method not in METHODS:
         raise InvalidRequestError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
+    if lookup_tokens < 0 or (lookup_tokens and method != "eagle3"):
+        raise InvalidRequestError(
+            f"lookup tokens ({lookup_tokens}) are grafted into an EAGLE-3 head's drafts: they "
+            "need method eagle3 and a count >= 0 (method lookup drafts by prompt lookup alone)"
+        )
     if method == "none":
         return Speculation(None, "")
     if method == "lookup":
@@ -57,8 +68,10 @@ def make_proposer(
     if draft == "random":
         layers = tuple(capture) if capture else default_capture(model.cfg.num_layers)
         head = quantize_model(random_eagle3(model, seed=0, capture=layers), quant)
-        return Speculation(
-            Eagle3Proposer(head, layers), f"random EAGLE-3 head (seed 0), capture {layers}"
+        return _with_lookup(
+            Eagle3Proposer(head, layers),
+            f"random EAGLE-3 head (seed 0), capture {layers}",
+            lookup_tokens,
         )
     loaded = load_eagle3(draft, model, capture=capture)
     quantize_model(loaded.head, quant)
@@ -68,7 +81,14 @@ def make_proposer(
         f"EAGLE-3 head {r.folder.name} ({r.format}, {r.own_bytes / 1e6:.1f} MB own"
         f"{shared if r.shared else ''}), capture {r.capture} ({r.capture_origin})"
     )
-    return Speculation(Eagle3Proposer(loaded.head, loaded.capture), line)
+    return _with_lookup(Eagle3Proposer(loaded.head, loaded.capture), line, lookup_tokens)
+
+
+def _with_lookup(head: Eagle3Proposer, report: str, lookup_tokens: int) -> Speculation:
+    if lookup_tokens < 1:
+        return Speculation(head, report)
+    hybrid = HybridProposer(head, lookup_tokens)
+    return Speculation(hybrid, f"{report}; + up to {lookup_tokens} prompt-lookup tokens a round")
 
 
 def compile_proposer(proposer: Proposer | None, mode: str) -> None:
@@ -79,3 +99,5 @@ def compile_proposer(proposer: Proposer | None, mode: str) -> None:
         proposer.model.compile_steps(mode)
     elif isinstance(proposer, Eagle3Proposer):
         proposer.head.compile_steps(mode)
+    elif isinstance(proposer, HybridProposer):
+        proposer.head.head.compile_steps(mode)

@@ -103,7 +103,12 @@ class AdaptiveDraft:
         forget: float = 0.995,
         probe_every: int = 32,
         margin: float = 0.05,
+        measure_tokens: bool = False,
     ) -> None:
+        """`measure_tokens`: every arm's tokens per round is its measured moving average, not
+        the chain model's 1 + sum P(accept >= j) (which counts the chain's own drafts only): for
+        a proposer that grafts candidates of its own into every round (draft/hybrid.py), a
+        chain of k can land more than k + 1 tokens and a zero-draft round more than one."""
         if max_draft < 1:
             raise InvalidRequestError(f"adaptive drafting needs max_draft >= 1, got {max_draft}")
         self.max_draft = max_draft
@@ -118,6 +123,7 @@ class AdaptiveDraft:
         self.proposed = [0.0] * max_draft  # [j]: rows that proposed >= j + 1 (decayed)
         self.accepted = [0.0] * max_draft  # [j]: rows that accepted >= j + 1 (decayed)
         self.rounds_without_drafts = 0
+        self.measure_tokens = measure_tokens
 
     def accept_prob(self, j: int) -> float:
         """P(accept >= j + 1) among rows that proposed j + 1 tokens, Beta(1, 1) prior."""
@@ -125,9 +131,11 @@ class AdaptiveDraft:
 
     def expected_tokens(self, choice: DraftChoice) -> float:
         """Tokens a row gains per round with this choice (bonus included)."""
+        tokens = self.arms[choice].tokens
         if choice.tree is not None:
-            tokens = self.arms[choice].tokens
             return tokens if tokens is not None else self.expected_tokens(DraftChoice(1))
+        if self.measure_tokens and tokens is not None:
+            return tokens
         return 1.0 + sum(self.accept_prob(j) for j in range(choice.num_draft))
 
     def choose(self, batch: int) -> DraftChoice:
@@ -177,9 +185,10 @@ class AdaptiveDraft:
             arm.seconds[bucket] = seconds if old is None else _mix(old, seconds, self.smoothing)
         else:  # its first round here pays first-call costs (a compile of its shape: minutes)
             arm.warmed.add(bucket)
-        if choice.tree is not None:
+        if choice.tree is not None or self.measure_tokens:
             mean = 1.0 + sum(accepted) / max(1, len(accepted))
             arm.tokens = mean if arm.tokens is None else _mix(arm.tokens, mean, self.smoothing)
+        if choice.tree is not None:
             return
         for a in accepted:
             for j in range(self.max_draft):
@@ -230,9 +239,17 @@ class AdaptiveDraft:
 DraftPolicy = FixedDraft | AdaptiveDraft
 
 
-def make_policy(mode: str, num_draft: int, tree: TreeConfig | None, has_draft: bool) -> DraftPolicy:
+def make_policy(
+    mode: str,
+    num_draft: int,
+    tree: TreeConfig | None,
+    has_draft: bool,
+    *,
+    grafts: bool = False,
+) -> DraftPolicy:
     """`mode` "adaptive", "on" (the configured shape every round) or "off"; without a draft only
-    "off" runs."""
+    "off" runs. `grafts`: the proposer adds candidates to every round (measure each arm's
+    tokens, AdaptiveDraft's `measure_tokens`)."""
     if mode not in SPECULATION_MODES:
         raise InvalidRequestError(
             f"unknown speculation mode '{mode}' (choose from {', '.join(SPECULATION_MODES)})"
@@ -241,7 +258,7 @@ def make_policy(mode: str, num_draft: int, tree: TreeConfig | None, has_draft: b
         return FixedDraft(DraftChoice(0))
     if mode == "on":
         return FixedDraft(DraftChoice(num_draft, tree))
-    return AdaptiveDraft(max(1, num_draft), tree)
+    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=grafts)
 
 
 def _bucket(batch: int) -> int:

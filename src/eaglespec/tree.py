@@ -135,3 +135,37 @@ def verify_positions(tree: DraftTree, prefix_len: torch.Tensor) -> torch.Tensor:
     """RoPE positions of the nodes: prefix_len (B,) + depth. Prefix 7, depths [0, 1, 1, 2] ->
     [7, 8, 8, 9]."""
     return prefix_len[:, None] + tree.depth
+
+
+def graft_chain(tree: DraftTree, chain: torch.Tensor, length: int) -> DraftTree:
+    """Add `length` nodes to every row: the continuation of `chain` below the deepest node whose
+    root path spells the chain's start (the root when none does).
+
+    chain (B, D + length), D = tree.max_depth: a candidate continuation of each row's root (prompt
+    lookup's). Where the tree already drafted the chain's first d tokens, the graft goes on from
+    chain[d] under that node, so no sibling repeats a token and every row gains exactly `length`
+    nodes. Example, tokens [r, a, b, c] parents [-1, 0, 0, 1] (paths r-a-c and r-b), chain
+    [a, c, x, y, z, w], length 2: node 3 spells [a, c] -> nodes 4 = x (parent 3), 5 = y (parent 4).
+    With chain [e, ...] nothing matches and e heads a new branch under the root.
+
+    Drafted tokens must be deterministic picks (draft_probs None): the grafted ones are."""
+    if tree.draft_probs is not None:
+        raise ValueError("graft_chain needs deterministic drafts (draft_probs None)")
+    B, N = tree.tokens.shape
+    D = tree.max_depth
+    dev = tree.tokens.device
+    nodes = tree.paths.clamp(min=0)  # (B, N, D + 1)
+    spelled = torch.gather(tree.tokens[:, None, :].expand(B, N, N), 2, nodes)  # (B, N, D + 1)
+    agree = (spelled[:, :, 1:] == chain[:, None, :D]) | (tree.paths[:, :, 1:] < 0)  # (B, N, D)
+    depth = torch.where(agree.all(-1), tree.depth, -1)  # (B, N): matching nodes' depths
+    at = depth.argmax(-1)  # (B,) the deepest match (the root, depth 0, always matches)
+    start = tree.depth.gather(1, at[:, None])  # (B, 1)
+    steps = torch.arange(length, device=dev)
+    new = chain.gather(1, start + steps)  # (B, length)
+    parents = torch.cat([at[:, None], (N + steps[:-1]).expand(B, length - 1)], 1)  # (B, length)
+    return build_tree(
+        torch.cat([tree.tokens, new], 1),
+        torch.cat([tree.parents, parents], 1),
+        max_depth=D + length,
+        max_children=tree.max_children + 1,
+    )

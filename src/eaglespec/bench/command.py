@@ -70,6 +70,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="eagle3-tree's shape (default 4,4,16); with --calibrate, a tree arm to measure too",
     )
     p.add_argument(
+        "--lookup-tokens",
+        type=int,
+        default=4,
+        help="prompt-lookup tokens the eagle3-*+lookup methods graft into a round at most",
+    )
+    p.add_argument(
         "--calibrate",
         action="store_true",
         help="instead of benchmarking: measure each draft length (and --tree) on the questions' "
@@ -127,7 +133,16 @@ def command_line(args: argparse.Namespace) -> str:
     for flag in ("draft", "draft_model", "limit", "threads", "tree"):
         value = getattr(args, flag)
         parts += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
-    for flag in ("max_tokens", "temperature", "seed", "group_by", "out", "num_draft"):
+    settings = (
+        "max_tokens",
+        "temperature",
+        "seed",
+        "group_by",
+        "out",
+        "num_draft",
+        "lookup_tokens",
+    )
+    for flag in settings:
         parts += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("dtype", "device", "quant", "compile"):
         parts += [f"--{flag}", str(getattr(args, flag))]
@@ -144,6 +159,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tree = tree_config(args.tree or DEFAULT_TREE, "--tree")
     if args.num_draft < 1:
         raise InvalidRequestError(f"--num-draft must be >= 1, got {args.num_draft}")
+    if args.lookup_tokens < 1:
+        raise InvalidRequestError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}")
     questions = read_all(args.questions, args.limit)
     if args.calibrate:
         return _calibrate(args, questions)
@@ -179,6 +196,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         quant=precision.quant,
         compile=args.compile,
         progress=not args.quiet,
+        lookup_tokens=args.lookup_tokens,
     )
     meter = memory_meter(target.model.device)
     log = _progress(questions) if not args.quiet else None
@@ -256,7 +274,7 @@ def _describe_drafts(methods: list[Method], drafts: DraftSources) -> dict[str, A
     """Path and hashes of each draft a method used ('random' heads have no file)."""
     used = {m.name for m in methods}
     out: dict[str, Any] = {}
-    if drafts.eagle3 and used & {"eagle3-chain", "eagle3-tree"}:
+    if drafts.eagle3 and any(name.startswith("eagle3") for name in used):
         random = drafts.eagle3 == "random"
         out["eagle3"] = (
             {"path": "random", "sha256": None} if random else describe_model(Path(drafts.eagle3))

@@ -3,6 +3,9 @@
   plain         plain decoding: the baseline every speedup is measured against
   eagle3-chain  an EAGLE-3 head drafting a greedy chain of `num_draft` tokens per round
   eagle3-tree   the same head drafting an EAGLE-2 dynamic tree (`tree`: depth, top-k, nodes)
+  eagle3-chain+lookup, eagle3-tree+lookup
+                the same, with up to `lookup_tokens` prompt-lookup tokens grafted into each
+                round's drafts where the context matches (draft/hybrid.py)
   draft-model   a smaller model with the target's vocabulary drafting chains
   lookup        prompt lookup: n-grams of the context, no model
   llama.cpp     llama.cpp's plain decoding of the same GGUF file: a reference engine, opt-in
@@ -21,6 +24,8 @@ from typing import Protocol
 from eaglespec.bench.llamacpp import LLAMA_CPP, LlamaCppMethod, check_llama_cpp
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer
+from eaglespec.draft.hybrid import HybridProposer
+from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
@@ -29,7 +34,16 @@ from eaglespec.model.loader import LoadedModel
 from eaglespec.requests import RequestOutput, collect_outputs
 
 PLAIN = "plain"
-METHOD_NAMES = (PLAIN, "eagle3-chain", "eagle3-tree", "draft-model", "lookup", LLAMA_CPP)
+METHOD_NAMES = (
+    PLAIN,
+    "eagle3-chain",
+    "eagle3-tree",
+    "eagle3-chain+lookup",
+    "eagle3-tree+lookup",
+    "draft-model",
+    "lookup",
+    LLAMA_CPP,
+)
 # Other engines: compared with plain decoding for speed, but not held to eaglespec's losslessness.
 REFERENCE_ENGINES = frozenset({LLAMA_CPP})
 
@@ -131,6 +145,7 @@ def build_methods(
     quant: str,
     compile: str,
     progress: bool,
+    lookup_tokens: int = 4,
 ) -> list[Method]:
     """Load each draft once (the EAGLE-3 head serves chain and tree). `quant` applies to the
     drafts as to the target; `compile` to a draft model's steps and an EAGLE-3 head's layers
@@ -144,6 +159,17 @@ def build_methods(
             compile_proposer(specs[method].proposer, compile)
         return specs[method]
 
+    def hybrid() -> Speculation:
+        """The EAGLE-3 head's proposer (loaded once) with prompt lookup grafted in."""
+        if "eagle3+lookup" not in specs:
+            head = speculation("eagle3", drafts.eagle3)
+            assert isinstance(head.proposer, Eagle3Proposer)
+            specs["eagle3+lookup"] = Speculation(
+                HybridProposer(head.proposer, lookup_tokens),
+                f"{head.report}; + up to {lookup_tokens} prompt-lookup tokens a round",
+            )
+        return specs["eagle3+lookup"]
+
     out: list[Method] = []
     for name in names:
         if name == LLAMA_CPP:
@@ -152,13 +178,15 @@ def build_methods(
         if name == PLAIN:
             out.append(BenchMethod(name, None, 0, None, "plain decoding (baseline)"))
             continue
-        if name == "eagle3-tree":
-            spec = speculation("eagle3", drafts.eagle3)
+        if name in ("eagle3-tree", "eagle3-tree+lookup"):
+            spec = hybrid() if name.endswith("+lookup") else speculation("eagle3", drafts.eagle3)
             shape = f"tree depth {tree.depth}, top-k {tree.top_k}, {tree.num_nodes} nodes"
             out.append(BenchMethod(name, spec.proposer, num_draft, tree, f"{spec.report}; {shape}"))
             continue
         if name == "eagle3-chain":
             spec = speculation("eagle3", drafts.eagle3)
+        elif name == "eagle3-chain+lookup":
+            spec = hybrid()
         elif name == "draft-model":
             spec = speculation("draft-model", drafts.draft_model)
         else:

@@ -17,7 +17,17 @@ from matplotlib.ticker import MaxNLocator
 from eaglespec.bench.aggregate import BenchSummary, MethodStats
 from eaglespec.bench.lineup import METHOD_NAMES, PLAIN, REFERENCE_ENGINES
 
-_PALETTE = ("#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b")
+# one per METHOD_NAMES entry, in its order (the +lookup methods a darker shade of their own)
+_PALETTE = (
+    "#7f7f7f",
+    "#1f77b4",
+    "#ff7f0e",
+    "#0b3c5d",
+    "#a64d00",
+    "#2ca02c",
+    "#9467bd",
+    "#8c564b",
+)
 _COLORS = dict(zip(METHOD_NAMES, _PALETTE, strict=True))
 
 

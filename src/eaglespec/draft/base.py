@@ -87,3 +87,14 @@ class TreeProposer(Protocol):
     """A proposer that can also draft EAGLE-2 dynamic trees (the EAGLE-3 head)."""
 
     def propose_tree(self, state: Any, roots: torch.Tensor, shape: TreeConfig) -> DraftTree: ...
+
+
+@runtime_checkable
+class GraftingProposer(Protocol):
+    """A proposer that adds candidates of its own to each round's chain or tree, verified in the
+    same forward (the EAGLE-3 head with prompt lookup). `room`: draft tokens the round may verify
+    at most; the grafted tree never exceeds it, and adds at most `graft_tokens` nodes."""
+
+    graft_tokens: int
+
+    def graft(self, state: Any, tree: DraftTree, room: int) -> DraftTree: ...

@@ -52,6 +52,11 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """k tokens: the continuation of the longest suffix n-gram seen before, else the last token
         repeated."""
+        found = self.find(k)
+        return found if found is not None else [self.tokens[-1]] * k
+
+    def find(self, k: int) -> list[int] | None:
+        """k tokens continuing the longest suffix n-gram seen before; None when none was."""
         h = self.tokens
         for n in sorted(self.last, reverse=True):
             if len(h) <= n:
@@ -65,7 +70,7 @@ class NgramIndex:
                     i = src + j
                     out.append(h[i] if i < len(h) else out[i - len(h)])
                 return out
-        return [h[-1]] * k
+        return None
 
 
 @dataclass

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from eaglespec.config import SamplingParams, TreeConfig
-from eaglespec.draft.base import NoDraft
+from eaglespec.draft.base import GraftingProposer, NoDraft
 from eaglespec.engine import BatchRunner, check_speculation, draft_width
 from eaglespec.errors import ChatTemplateError, InvalidRequestError
 from eaglespec.llm import LLM
@@ -79,14 +79,20 @@ def create_app(llm: LLM, options: ServeOptions) -> FastAPI:
     proposer = llm.proposer or NoDraft()
     tree: TreeConfig | None = llm.tree
     check_speculation(proposer, [SamplingParams()], tree)
-    max_draft = draft_width(llm.num_draft, tree) if llm.proposer is not None else 0
+    max_draft = draft_width(llm.num_draft, tree, proposer) if llm.proposer is not None else 0
     limit = llm.config.context_limit
     max_len = min(limit, options.max_model_len or limit)
     metrics = ServerMetrics()
     policy = (
         llm.policy
         if options.speculation is None
-        else make_policy(options.speculation, llm.num_draft, tree, llm.proposer is not None)
+        else make_policy(
+            options.speculation,
+            llm.num_draft,
+            tree,
+            llm.proposer is not None,
+            grafts=isinstance(llm.proposer, GraftingProposer),
+        )
     )
     runner = BatchRunner(llm.model, proposer, llm.tokenizer, max_draft=max_draft)
     scheduler = Scheduler(

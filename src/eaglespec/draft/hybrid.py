@@ -1,0 +1,106 @@
+"""EAGLE-3 drafting with prompt lookup grafted in: each round the head drafts its chain or tree,
+and where the row's context already holds the text that follows (an n-gram of its last tokens
+seen before: a summary quoting its article, code repeating an identifier, a list going on), that
+continuation joins the same draft tree and is verified in the same target forward. The head's
+drafts and the copied text compete in one round instead of one method per request; the copied
+text costs no draft forward, only verification slots, and rounds without a match add nothing.
+
+The lookup's tokens are deterministic picks like the head's, so greedy and sampled verification
+stay lossless over the grafted tree (verify.py). The head's catch-up is unchanged: it is fed the
+accepted path's tokens and target states whichever branch they came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eaglespec.config import TreeConfig
+from eaglespec.draft.lookup import LookupState, PromptLookupProposer
+from eaglespec.draft.proposer import Eagle3Proposer
+from eaglespec.tree import DraftTree, graft_chain
+
+
+@dataclass
+class HybridState:
+    head: Any  # the EAGLE-3 proposer's state
+    lookup: LookupState
+
+
+class HybridProposer:
+    """An EAGLE-3 head's chains and trees with up to `lookup_tokens` prompt-lookup tokens a round
+    (n-gram matches of min_ngram .. max_ngram tokens)."""
+
+    def __init__(
+        self, head: Eagle3Proposer, lookup_tokens: int, max_ngram: int = 3, min_ngram: int = 2
+    ) -> None:
+        if lookup_tokens < 1:
+            raise ValueError(f"lookup_tokens must be at least 1, got {lookup_tokens}")
+        self.head = head
+        self.lookup = PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram)
+        self.lookup_tokens = lookup_tokens
+        self.graft_tokens = lookup_tokens  # GraftingProposer: the most nodes a graft adds
+        self.capture = head.capture
+
+    def start(
+        self,
+        prompt_ids: torch.Tensor,  # (B, T) right-padded prompts
+        roots: torch.Tensor,  # (B,) the target's first sampled tokens
+        aux: Sequence[torch.Tensor],  # target states at the head's capture boundaries
+        counts: Sequence[int],  # prompt length per row
+        capacity: int,
+    ) -> HybridState:
+        return HybridState(
+            self.head.start(prompt_ids, roots, aux, counts, capacity),
+            self.lookup.start(prompt_ids, roots, (), counts, capacity),
+        )
+
+    def propose(self, state: HybridState, k: int) -> torch.Tensor:
+        return self.head.propose(state.head, k)
+
+    def propose_tree(self, state: HybridState, roots: torch.Tensor, shape: TreeConfig) -> DraftTree:
+        return self.head.propose_tree(state.head, roots, shape)
+
+    def graft(self, state: HybridState, tree: DraftTree, room: int) -> DraftTree:
+        """The tree with each row's lookup continuation grafted in (graft_chain); unchanged when no
+        row's context matches or no room is left."""
+        length = min(self.lookup_tokens, room - (tree.num_nodes - 1))
+        if length < 1:
+            return tree
+        width = tree.max_depth + length
+        found = [row.find(width) for row in state.lookup.rows]
+        if all(f is None for f in found):
+            return tree
+        # rows without a match repeat their last token: wasted slots, never a wrong output
+        chains = [
+            f if f is not None else [row.tokens[-1]] * width
+            for f, row in zip(found, state.lookup.rows, strict=True)
+        ]
+        chain = torch.tensor(chains, dtype=torch.long, device=tree.tokens.device)  # (B, width)
+        return graft_chain(tree, chain, length)
+
+    def catch_up(
+        self,
+        state: HybridState,
+        tokens: torch.Tensor,  # (B, A) accepted draft tokens then the next root, right-padded
+        aux: Sequence[torch.Tensor],  # target states of root + accepted nodes, each (B, A, Ct)
+        counts: Sequence[int],  # accepted + 1 per row
+    ) -> HybridState:
+        return HybridState(
+            self.head.catch_up(state.head, tokens, aux, counts),
+            self.lookup.catch_up(state.lookup, tokens, (), counts),
+        )
+
+    def select_rows(self, state: HybridState, rows: Sequence[int]) -> HybridState:
+        return HybridState(
+            self.head.select_rows(state.head, rows), self.lookup.select_rows(state.lookup, rows)
+        )
+
+    def concat(self, states: Sequence[HybridState]) -> HybridState:
+        return HybridState(
+            self.head.concat([s.head for s in states]),
+            self.lookup.concat([s.lookup for s in states]),
+        )
