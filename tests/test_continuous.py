@@ -15,6 +15,7 @@ from eaglespec.cache import KVCache
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import NoDraft, Proposer
 from eaglespec.draft.draft_model import DraftModelProposer
+from eaglespec.draft.hybrid import HybridProposer
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.lookup import PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
@@ -124,6 +125,12 @@ def test_lookup_joins_equal_plain(target: Transformer) -> None:
 def test_eagle3_joins_equal_plain(target: Transformer, tree: TreeConfig | None) -> None:
     head = random_eagle3(target, seed=0, capture=(1, 3, 5))
     _check(target, Eagle3Proposer(head, (1, 3, 5)), [3, 0, 1], tree)
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(depth=3, top_k=2, num_nodes=5)])
+def test_eagle3_with_lookup_joins_equal_plain(target: Transformer, tree: TreeConfig | None) -> None:
+    head = Eagle3Proposer(random_eagle3(target, seed=1), (1, 3, 5))
+    _check(target, HybridProposer(head, 3, min_ngram=1), [3, 0, 1], tree)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 4])

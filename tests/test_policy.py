@@ -123,3 +123,22 @@ def test_scripted_draft_walks_its_shapes_then_keeps_the_last() -> None:
     assert picked == [*shapes, shapes[-1], shapes[-1]]
     with pytest.raises(ValueError, match="at least one shape"):
         ScriptedDraft([])
+
+
+def test_measured_tokens_credit_what_a_graft_lands() -> None:
+    """With a grafting proposer a zero-draft round can land several tokens (prompt lookup's) and
+    a chain of 1 more than 2: `measure_tokens` values each arm by what it landed; the chain
+    model would value plain rounds at 1 token and never pick them."""
+    plain, chain = DraftChoice(0), DraftChoice(1)
+    for measure, want in ((False, chain), (True, plain)):
+        policy = AdaptiveDraft(1, measure_tokens=measure)
+        for _ in range(3):  # warm-up rounds, then timed ones
+            policy.observe(1, plain, 0.010, [2])  # lookup alone lands 3 tokens a round
+            policy.observe(1, chain, 0.012, [1])  # the head's draft and nothing more
+        assert policy.expected_tokens(plain) == pytest.approx(3.0 if measure else 1.0)
+        assert policy.expected_tokens(chain) == pytest.approx(2.0 if measure else 1.8, abs=0.05)
+        assert policy.choose(1) == want
+    taught = make_policy("adaptive", 2, None, True, grafts=True)
+    assert isinstance(taught, AdaptiveDraft) and taught.measure_tokens
+    taught.record(chain, 1, 0.01, 2.5)  # a calibration's measurement
+    assert taught.expected_tokens(chain) == 2.5

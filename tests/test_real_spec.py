@@ -11,6 +11,7 @@ from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
+from eaglespec.methods import DEFAULT_LOOKUP_TOKENS
 from eaglespec.registry import pull
 from eaglespec.requests import collect_outputs
 from oracle import OracleProposer
@@ -80,10 +81,12 @@ def test_shipped_head_is_small_lossless_and_accepts(llm: LLM) -> None:
         assert (accepted + rounds) / rounds > 1.1  # 1.25 (chain) measured; random ~1.0
 
 
-def test_auto_precision_is_the_ggufs_own_and_lossless() -> None:
+@pytest.mark.parametrize("lookup_tokens", [0, DEFAULT_LOOKUP_TOKENS])
+def test_auto_precision_is_the_ggufs_own_and_lossless(lookup_tokens: int) -> None:
     """What the commands run by default (`--dtype auto --quant auto`): the Q4_1 file as w4a8 in
     bfloat16 where the kernel runs (else unquantized fp32), and greedy speculation with the
-    shipped head, chain and tree, equal to plain greedy decoding of that same model."""
+    shipped head, chain and tree, with and without the prompt-lookup tokens the commands graft
+    in by default, equal to plain greedy decoding of that same model."""
     from eaglespec.config import TreeConfig
     from eaglespec.heads import packaged_head
     from eaglespec.model import w4a8
@@ -97,6 +100,7 @@ def test_auto_precision_is_the_ggufs_own_and_lossless() -> None:
         draft=str(head),
         progress=False,
         speculation="off",  # generate() decodes plainly unless given a policy
+        lookup_tokens=lookup_tokens,
     )
     p = auto.loaded.precision
     if w4a8.available() is None:

@@ -199,11 +199,12 @@ class AdaptiveDraft:
                 self.accepted[j] += float(j < a)
 
     def record(self, choice: DraftChoice, batch: int, seconds: float, tokens: float) -> None:
-        """Set an arm's measured mean round time at this batch size (and, for the tree, its mean
-        tokens per round), replacing the moving averages: what a calibration run measured."""
+        """Set an arm's measured mean round time at this batch size (and, for the tree or when
+        tokens are measured, its mean tokens per round), replacing the moving averages: what a
+        calibration run measured."""
         arm = self.arms[choice]
         arm.seconds[_bucket(batch)] = seconds
-        if choice.tree is not None:
+        if choice.tree is not None or self.measure_tokens:
             arm.tokens = tokens
 
     def state(self) -> dict[str, Any]:

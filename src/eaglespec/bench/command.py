@@ -29,6 +29,7 @@ from eaglespec.bench.runner import Generation, QuestionDone, RunSettings, run_be
 from eaglespec.cliargs import add_model_args, tree_config
 from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
+from eaglespec.methods import DEFAULT_LOOKUP_TOKENS
 from eaglespec.model.llama import check_compile_mode
 from eaglespec.model.loader import check_quant, dtype_name, load_model
 from eaglespec.registry import resolve_model
@@ -72,8 +73,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument(
         "--lookup-tokens",
         type=int,
-        default=4,
-        help="prompt-lookup tokens the eagle3-*+lookup methods graft into a round at most",
+        default=DEFAULT_LOOKUP_TOKENS,
+        help="prompt-lookup tokens the eagle3-*+lookup methods graft into a round at most; "
+        "with --calibrate, what the calibrated commands graft (their default: "
+        f"{DEFAULT_LOOKUP_TOKENS}; 0 for none)",
     )
     p.add_argument(
         "--calibrate",
@@ -108,6 +111,7 @@ def _calibrate(args: argparse.Namespace, questions: list[Question]) -> int:
         num_draft=args.num_draft,
         tree=tree_config(args.tree, "--tree") if args.tree else None,
         speculation="adaptive",
+        lookup_tokens=args.lookup_tokens,
     )
     prompts = [llm.encode(q.turns[0]) for q in questions]
     if not args.quiet:
@@ -159,8 +163,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tree = tree_config(args.tree or DEFAULT_TREE, "--tree")
     if args.num_draft < 1:
         raise InvalidRequestError(f"--num-draft must be >= 1, got {args.num_draft}")
-    if args.lookup_tokens < 1:
-        raise InvalidRequestError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}")
+    if args.lookup_tokens < 0:
+        raise InvalidRequestError(f"--lookup-tokens must be >= 0, got {args.lookup_tokens}")
+    if args.lookup_tokens == 0 and any(m.endswith("+lookup") for m in args.methods or ()):
+        raise InvalidRequestError("the eagle3-*+lookup methods need --lookup-tokens >= 1")
     questions = read_all(args.questions, args.limit)
     if args.calibrate:
         return _calibrate(args, questions)
