@@ -71,7 +71,7 @@ def test_the_fused_layer_has_the_python_forwards_bits(
     assert cpu_layer.fits(block, x, model.new_cache(1, 4).k_layers[0], plan)
     with torch.inference_mode():
         fused, fused_cache = _run(model)
-        monkeypatch.setattr(cpu_layer, "fits", lambda *a: False)
+        monkeypatch.setattr(cpu_layer, "layer_args", lambda *a: None)
         python, python_cache = _run(copy.deepcopy(model))
     for a, b in zip(fused, python, strict=True):
         assert torch.equal(a, b)
@@ -111,6 +111,28 @@ def test_the_fused_layer_steps_aside() -> None:
     assert not cpu_layer.fits(plain.layers[0], torch.zeros(1, 1, 128), cache.k_layers[0], plan)
     block.attn.q_norm = torch.nn.Identity()  # type: ignore[assignment]
     assert not cpu_layer.fits(block, torch.zeros(1, 1, 128), cache.k_layers[0], plan)
+
+
+def test_the_fused_layer_reads_weights_replaced_after_a_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The op's arguments are read once per layer and kept (cpu_layer.LayerArgs): a matrix, a
+    norm weight or a size replaced after a forward must be what the next forward uses."""
+    model, donor = _target(torch.bfloat16), _target(torch.bfloat16, bias=True)
+    with torch.no_grad():
+        donor.layers[1].mlp_norm.weight.mul_(1.5)
+    with torch.inference_mode():
+        _run(model)  # the arguments are kept now
+        model.layers[0].mlp.w2 = donor.layers[0].mlp.w2  # another module (with a bias)
+        model.layers[1].attn.wqkv.register_buffer("weight", donor.layers[1].attn.wqkv.weight)
+        model.layers[1].mlp_norm.weight = donor.layers[1].mlp_norm.weight  # another parameter
+        model.layers[2].attn_norm.eps = 1e-2  # another size
+        fused, fused_cache = _run(model)
+        monkeypatch.setattr(cpu_layer, "layer_args", lambda *a: None)
+        python, python_cache = _run(copy.deepcopy(model))
+    for a, b in zip(fused, python, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_cache, python_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -187,7 +209,7 @@ def test_the_fused_head_layer_has_the_python_forwards_bits(
     with torch.inference_mode():
         fused, fused_cache = _head_run(head, feats)
         assert taken, "the fused head layer was not taken"
-        monkeypatch.setattr(cpu_layer, "fits_draft", lambda *a: False)
+        monkeypatch.setattr(cpu_layer, "draft_args", lambda *a: None)
         python, python_cache = _head_run(copy.deepcopy(head), feats)
     for a, b in zip(fused, python, strict=True):
         assert torch.equal(a, b)

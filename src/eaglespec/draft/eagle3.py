@@ -111,8 +111,9 @@ class MidLayer(nn.Module):
         plan: CachePlan,
     ) -> torch.Tensor:
         x, residual = self.attn_input(emb, g)
-        if cpu_layer.fits_draft(self, x, k_cache, plan):  # eager w4a8 on CPU: the ops in C++
-            return cpu_layer.forward_draft(self, x, residual, rope, k_cache, v_cache, plan)
+        fused = cpu_layer.draft_args(self, x, k_cache, plan)
+        if fused is not None:  # eager w4a8 on CPU: the ops in C++
+            return cpu_layer.forward_draft(fused, x, residual, rope, k_cache, v_cache, plan)
         attn = self.attn(x, rope, k_cache, v_cache, plan)
         return self.after_attn(residual, attn)
 
@@ -151,8 +152,9 @@ class DecoderLayer(nn.Module):
         plan: CachePlan,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        if cpu_layer.fits_draft(self, h, k_cache, plan):
-            return cpu_layer.forward_draft(self, h, x, rope, k_cache, v_cache, plan)
+        fused = cpu_layer.draft_args(self, h, k_cache, plan)
+        if fused is not None:
+            return cpu_layer.forward_draft(fused, h, x, rope, k_cache, v_cache, plan)
         x = x + self.attn(h, rope, k_cache, v_cache, plan)
         y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return y

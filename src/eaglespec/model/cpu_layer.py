@@ -19,7 +19,9 @@ mask: cache.KVCache.plan), no q/k norm (Qwen3 keeps the Python forward), the fou
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -52,56 +54,179 @@ def available() -> str | None:
     return _load()
 
 
-def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
-    """Whether the fused op takes this layer's forward (module doc)."""
-    return block.attn.q_norm is None and _takes(block.attn, block.mlp, x, k_cache, plan)
+_MISSING = object()
+Sources = list[tuple[dict[str, object], str, object]]
 
 
-def fits_draft(layer: nn.Module, h: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
-    """Whether `forward_from` takes an EAGLE-3 head layer (draft/eagle3.py's MidLayer or
-    DecoderLayer) from its attention input h (B, T, Cin) on."""
-    return _takes(layer.attn, layer.mlp, h, k_cache, plan)
+@dataclass(frozen=True, slots=True)
+class LayerArgs:
+    """What the fused op takes from one layer's modules, read once and kept with where each value
+    was read from (`sources`: the module's own dict, the name, the value), so that a module,
+    weight or size replaced since is noticed (`current`) and the values are read anew.
+
+    Why kept: read per forward through nn.Module's attribute lookup (`Module.__getattr__`, about
+    35 lookups a layer), the 30 layers' arguments and checks cost about 1 ms of a 5.4 ms SmolLM2
+    decode step; checking that the values are still current is one dict lookup and one identity
+    test each."""
+
+    norms: tuple[object, ...]  # target: attn_norm and mlp_norm weights, eps; head: norm weight, eps
+    matrices: tuple[object, ...]  # wqkv weight, bias, N; wo weight, bias; w13 weight, bias, N; w2
+    num_heads: int
+    fused: bool  # the modules are of the kinds the op takes (module doc)
+    sources: tuple[tuple[dict[str, object], str, object], ...]
+
+    def current(self) -> bool:
+        for where, name, value in self.sources:  # noqa: SIM110 (a loop: faster than all(genexpr))
+            if where.get(name, _MISSING) is not value:
+                return False
+        return True
 
 
-def _takes(
-    attn: nn.Module, mlp: nn.Module, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan
-) -> bool:
+def _read(module: nn.Module, name: str, sources: Sources) -> Any:
+    """module.name, found where nn.Module keeps it, and recorded in `sources`."""
+    for where in (module._parameters, module._buffers, module._modules, module.__dict__):
+        if name in where:
+            value = where[name]
+            sources.append((where, name, value))  # type: ignore[arg-type]
+            return value
+    raise AttributeError(f"{type(module).__name__} has no '{name}'")
+
+
+def _cached(module: nn.Module, build: Callable[[Sources], LayerArgs]) -> LayerArgs:
+    """The module's LayerArgs, read anew where anything they were read from changed."""
+    kept: LayerArgs | None = module.__dict__.get("fused_args")
+    if kept is not None and kept.current():
+        return kept
+    args = build([])
+    module.__dict__["fused_args"] = args  # a plain attribute: read back without __getattr__
+    return args
+
+
+def _matrices(
+    attn: nn.Module, mlp: nn.Module, sources: Sources
+) -> tuple[tuple[object, ...], int, bool]:
+    """The four matrices with biases and output sizes, the head count, and whether all four are
+    w4a8 (the op's only kind)."""
+    linears = [_read(attn, "wqkv", sources), _read(attn, "wo", sources)]
+    linears += [_read(mlp, "w13", sources), _read(mlp, "w2", sources)]
+    if not all(isinstance(m, w4a8.W4A8Linear) for m in linears):
+        return (), 0, False
+    wqkv, wo, w13, w2 = linears
+    matrices = (
+        _read(wqkv, "weight", sources),
+        _read(wqkv, "bias", sources),
+        _read(wqkv, "out_features", sources),
+        _read(wo, "weight", sources),
+        _read(wo, "bias", sources),
+        _read(w13, "weight", sources),
+        _read(w13, "bias", sources),
+        _read(w13, "out_features", sources),
+        _read(w2, "weight", sources),
+        _read(w2, "bias", sources),
+    )
+    return matrices, _read(attn, "cfg", sources).num_heads, True
+
+
+def block_args(block: Block) -> LayerArgs | None:
+    """The fused op's arguments for a decoder layer whose forward `step_fits`, or None where its
+    modules are of kinds the op does not take."""
+    args = _target_args(block)
+    return args if args.fused else None
+
+
+def _target_args(block: Block) -> LayerArgs:
+    def build(sources: Sources) -> LayerArgs:
+        attn, mlp = _read(block, "attn", sources), _read(block, "mlp", sources)
+        attn_norm, mlp_norm = _read(block, "attn_norm", sources), _read(block, "mlp_norm", sources)
+        norms = (
+            _read(attn_norm, "weight", sources),
+            _read(mlp_norm, "weight", sources),
+            _read(attn_norm, "eps", sources),
+        )
+        matrices, heads, fused = _matrices(attn, mlp, sources)
+        fused = fused and _read(attn, "q_norm", sources) is None
+        return LayerArgs(norms, matrices, heads, fused, tuple(sources))
+
+    return _cached(block, build)
+
+
+def _draft_args(layer: nn.Module) -> LayerArgs:
+    def build(sources: Sources) -> LayerArgs:
+        attn, mlp = _read(layer, "attn", sources), _read(layer, "mlp", sources)
+        norm = _read(layer, "post_attention_layernorm", sources)
+        norms = (_read(norm, "weight", sources), _read(norm, "eps", sources))
+        matrices, heads, fused = _matrices(attn, mlp, sources)
+        return LayerArgs(norms, matrices, heads, fused, tuple(sources))
+
+    return _cached(layer, build)
+
+
+def step_fits(x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
+    """The forward's side of the conditions (module doc): eager, CPU, dtypes, shapes. The same
+    for every layer of a forward (their caches share dtype and shape): Transformer.body asks
+    once."""
     return (
         cpu_rowops.eager_cpu(x, k_cache)
         and k_cache.dtype == x.dtype
         and kernel_takes(plan, x.shape[1])
         and k_cache.shape[-1] % 32 == 0
         and k_cache.shape[-1] in cpu_attention.HEAD_DIMS
-        and isinstance(attn.wqkv, w4a8.W4A8Linear)
-        and isinstance(attn.wo, w4a8.W4A8Linear)
-        and isinstance(mlp.w13, w4a8.W4A8Linear)
-        and isinstance(mlp.w2, w4a8.W4A8Linear)
         and _load() is None
     )
 
 
+def layer_args(
+    block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan
+) -> LayerArgs | None:
+    """The fused op's arguments for this decoder layer's forward, or None where the op does not
+    take it (module doc)."""
+    if not step_fits(x, k_cache, plan):
+        return None
+    return block_args(block)
+
+
+def draft_args(
+    layer: nn.Module, h: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan
+) -> LayerArgs | None:
+    """The same for an EAGLE-3 head layer (draft/eagle3.py's MidLayer or DecoderLayer) taken from
+    its attention input h (B, T, Cin) on."""
+    if not step_fits(h, k_cache, plan):
+        return None
+    args = _draft_args(layer)
+    return args if args.fused else None
+
+
+def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
+    """Whether the fused op takes this layer's forward."""
+    return layer_args(block, x, k_cache, plan) is not None
+
+
 def forward(
-    block: Block,
+    args: LayerArgs,  # layer_args of the block
     x: torch.Tensor,  # (B, T, C)
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
     k_cache: torch.Tensor,  # (B, Hkv, S, D) this layer's cache, written
     v_cache: torch.Tensor,
     plan: CachePlan,
 ) -> torch.Tensor:
-    """Block.forward in one call -> (B, T, C). Call only where `fits`."""
-    attn, mlp = block.attn, block.mlp
+    """Block.forward in one call -> (B, T, C)."""
     out: torch.Tensor = torch.ops.eaglespec_layer.forward(
         x,
-        block.attn_norm.weight,
-        block.mlp_norm.weight,
-        block.attn_norm.eps,
-        *_rest(attn, mlp, rope, k_cache, v_cache, plan),
+        *args.norms,
+        *args.matrices,
+        *rope,
+        k_cache,
+        v_cache,
+        plan.slots,
+        plan.num_keys,
+        plan.mask,
+        args.num_heads,
     )
     return out
 
 
 def forward_draft(
-    layer: nn.Module,  # an EAGLE-3 head layer: attn, post_attention_layernorm, mlp
+    args: LayerArgs,  # draft_args of the head layer
     h: torch.Tensor,  # (B, T, Cin) the normed attention input
     residual: torch.Tensor,  # (B, T, C) what attention's output is added to
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
@@ -110,45 +235,18 @@ def forward_draft(
     plan: CachePlan,
 ) -> torch.Tensor:
     """The head layer from its attention input on, in one call -> (B, T, C): the ops of
-    DraftAttention, the residual add and the MLP block, in their order. Call only where
-    `fits_draft`."""
-    attn, mlp, norm = layer.attn, layer.mlp, layer.post_attention_layernorm
+    DraftAttention, the residual add and the MLP block, in their order."""
     out: torch.Tensor = torch.ops.eaglespec_layer.forward_from(
         residual,
         h,
-        norm.weight,
-        norm.eps,
-        *_rest(attn, mlp, rope, k_cache, v_cache, plan),
-    )
-    return out
-
-
-def _rest(
-    attn: nn.Module,
-    mlp: nn.Module,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: CachePlan,
-) -> tuple[object, ...]:
-    """What both ops take after the norms, in their order: the packed matrices with biases and
-    output sizes, RoPE, the caches, the plan's slots, key count and mask, the head count."""
-    return (
-        attn.wqkv.weight,
-        attn.wqkv.bias,
-        attn.wqkv.out_features,
-        attn.wo.weight,
-        attn.wo.bias,
-        mlp.w13.weight,
-        mlp.w13.bias,
-        mlp.w13.out_features,
-        mlp.w2.weight,
-        mlp.w2.bias,
+        *args.norms,
+        *args.matrices,
         *rope,
         k_cache,
         v_cache,
         plan.slots,
         plan.num_keys,
         plan.mask,
-        attn.cfg.num_heads,
+        args.num_heads,
     )
+    return out

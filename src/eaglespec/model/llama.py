@@ -99,8 +99,9 @@ class Block(nn.Module):
         v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
-        if cpu_layer.fits(self, x, k_cache, plan):  # eager w4a8 on CPU: the same ops in C++
-            return cpu_layer.forward(self, x, rope, k_cache, v_cache, plan)
+        fused = cpu_layer.layer_args(self, x, k_cache, plan)
+        if fused is not None:  # eager w4a8 on CPU: the same ops in C++
+            return cpu_layer.forward(fused, x, rope, k_cache, v_cache, plan)
         x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, plan)
         y: torch.Tensor = x + self.mlp(self.mlp_norm(x))
         return y
@@ -194,8 +195,13 @@ class Transformer(nn.Module):
         # A dict keyed by the boundary ids breaks torch.compile's whole-body graph (dynamo
         # treats the ints of `capture` as symbolic and the dict lookup then misses).
         boundary = [x]
+        fusable = cpu_layer.step_fits(x, k_layers[0], plan)  # asked once, not per layer
         for i, block in enumerate(self.layers):
-            x = block(x, rope, k_layers[i], v_layers[i], plan)
+            fused = cpu_layer.block_args(block) if fusable else None
+            if fused is not None:  # Block.forward's fused path without the module call
+                x = cpu_layer.forward(fused, x, rope, k_layers[i], v_layers[i], plan)
+            else:
+                x = block(x, rope, k_layers[i], v_layers[i], plan)
             boundary.append(x)
         if logit_index is not None:
             rows = torch.arange(B, device=x.device)[:, None]
