@@ -24,7 +24,14 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.model.loader import load_model
 from eaglespec.requests import GenerationStats, RequestOutput
 
-METHODS = ["plain", "lookup", "eagle3-chain", "eagle3-tree"]
+METHODS = [
+    "plain",
+    "lookup",
+    "eagle3-chain",
+    "eagle3-tree",
+    "eagle3-chain+lookup",
+    "eagle3-tree+lookup",
+]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -213,6 +220,8 @@ def test_methods_need_their_drafts(tmp_path: Path, capsys: pytest.CaptureFixture
         "plain",
         "eagle3-chain",
         "eagle3-tree",
+        "eagle3-chain+lookup",
+        "eagle3-tree+lookup",
         "draft-model",
         "lookup",
     ]

@@ -98,12 +98,12 @@ class BenchMethod:
 
 
 def default_methods(drafts: DraftSources) -> list[str]:
-    """Every method that can run with what was given: the EAGLE-3 pair when a head is known,
+    """Every method that can run with what was given: the EAGLE-3 methods when a head is known,
     draft-model when a draft model was named; plain and lookup always. Never llama.cpp: another
     engine, and an optional package, runs only when asked for."""
     names = [PLAIN]
-    if drafts.eagle3:
-        names += ["eagle3-chain", "eagle3-tree"]
+    if drafts.eagle3:  # the head alone, then as the commands run it (prompt lookup grafted in)
+        names += ["eagle3-chain", "eagle3-tree", "eagle3-chain+lookup", "eagle3-tree+lookup"]
     if drafts.draft_model:
         names.append("draft-model")
     return [*names, "lookup"]
