@@ -222,6 +222,7 @@ def test_methods_need_their_drafts(tmp_path: Path, capsys: pytest.CaptureFixture
         "eagle3-tree",
         "eagle3-chain+lookup",
         "eagle3-tree+lookup",
+        "eagle3-adaptive",
         "draft-model",
         "lookup",
     ]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
-from eaglespec.methods import DEFAULT_LOOKUP_TOKENS, METHODS
+from eaglespec.methods import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_TOKENS, METHODS
 from eaglespec.model.llama import COMPILE_MODES
 from eaglespec.model.precision import AUTO
 from eaglespec.model.quant import QUANT_MODES
@@ -89,7 +89,12 @@ def add_speculation_args(p: argparse.ArgumentParser, *, default_method: str = "n
         "output, little acceptance); draft-model: a model name or path; 'none': plain decoding. "
         "With --method eagle3 and no --draft: the head shipped for the model (heads/)",
     )
-    spec.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per round (chain)")
+    spec.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=DEFAULT_DRAFT_TOKENS,
+        help="draft tokens per round (chain); under adaptive speculation the most it drafts",
+    )
     spec.add_argument(
         "--tree",
         metavar="DEPTH,TOPK,NODES",

@@ -21,6 +21,8 @@ METHODS = ("eagle3", "draft-model", "lookup", "none")
 # Prompt-lookup tokens the commands graft into an EAGLE-3 head's rounds (BENCHMARKS.md, "Prompt
 # lookup inside EAGLE-3's rounds")
 DEFAULT_LOOKUP_TOKENS = 4
+# Draft tokens a chain may have at most (the adaptive policy's longest arm), --draft-tokens
+DEFAULT_DRAFT_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)

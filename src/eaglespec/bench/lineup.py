@@ -6,6 +6,10 @@
   eagle3-chain+lookup, eagle3-tree+lookup
                 the same, with up to `lookup_tokens` prompt-lookup tokens grafted into each
                 round's drafts where the context matches (draft/hybrid.py)
+  eagle3-adaptive
+                what `eaglespec generate` runs: the head with lookup grafted in, under adaptive
+                speculation over chains of 0 .. DEFAULT_DRAFT_TOKENS (policy.py), one policy
+                learning across the whole run (from no calibration)
   draft-model   a smaller model with the target's vocabulary drafting chains
   lookup        prompt lookup: n-grams of the context, no model
   llama.cpp     llama.cpp's plain decoding of the same GGUF file: a reference engine, opt-in
@@ -29,8 +33,9 @@ from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
-from eaglespec.methods import Speculation, compile_proposer, make_proposer
+from eaglespec.methods import DEFAULT_DRAFT_TOKENS, Speculation, compile_proposer, make_proposer
 from eaglespec.model.loader import LoadedModel
+from eaglespec.policy import DraftPolicy, make_policy
 from eaglespec.requests import RequestOutput, collect_outputs
 
 PLAIN = "plain"
@@ -40,6 +45,7 @@ METHOD_NAMES = (
     "eagle3-tree",
     "eagle3-chain+lookup",
     "eagle3-tree+lookup",
+    "eagle3-adaptive",
     "draft-model",
     "lookup",
     LLAMA_CPP,
@@ -77,6 +83,7 @@ class BenchMethod:
     num_draft: int  # draft tokens per round of a chain (unused by plain and the tree)
     tree: TreeConfig | None  # EAGLE-2 tree shape, or None for chains
     description: str  # one line: what drafts, and how much
+    policy: DraftPolicy | None = None  # picks each round's shape (adaptive); None: the fixed one
 
     def generate(
         self, target: LoadedModel, prompt: Sequence[int], params: SamplingParams
@@ -93,6 +100,7 @@ class BenchMethod:
                 [params],
                 num_draft=self.num_draft,
                 tree=self.tree,
+                policy=self.policy,
             )
         return collect_outputs(events)[0]
 
@@ -104,6 +112,7 @@ def default_methods(drafts: DraftSources) -> list[str]:
     names = [PLAIN]
     if drafts.eagle3:  # the head alone, then as the commands run it (prompt lookup grafted in)
         names += ["eagle3-chain", "eagle3-tree", "eagle3-chain+lookup", "eagle3-tree+lookup"]
+        names.append("eagle3-adaptive")
     if drafts.draft_model:
         names.append("draft-model")
     return [*names, "lookup"]
@@ -182,6 +191,13 @@ def build_methods(
             spec = hybrid() if name.endswith("+lookup") else speculation("eagle3", drafts.eagle3)
             shape = f"tree depth {tree.depth}, top-k {tree.top_k}, {tree.num_nodes} nodes"
             out.append(BenchMethod(name, spec.proposer, num_draft, tree, f"{spec.report}; {shape}"))
+            continue
+        if name == "eagle3-adaptive":
+            spec = hybrid()
+            k = DEFAULT_DRAFT_TOKENS
+            policy = make_policy("adaptive", k, None, True, grafts=True)
+            line = f"{spec.report}; adaptive speculation over chains of 0 .. {k}"
+            out.append(BenchMethod(name, spec.proposer, k, None, line, policy))
             continue
         if name == "eagle3-chain":
             spec = speculation("eagle3", drafts.eagle3)
