@@ -14,6 +14,7 @@ import pytest
 from eaglespec import LLM, SamplingParams
 from eaglespec.generate import generate_stream
 from eaglespec.heads import packaged_head
+from eaglespec.methods import DEFAULT_LOOKUP_TOKENS
 from eaglespec.registry import pull
 from eaglespec.requests import collect_outputs
 from eaglespec.serve.app import ServeOptions, create_app
@@ -36,13 +37,14 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def llm_default() -> LLM:
     """As `eaglespec serve` loads the model by default: the GGUF's own precision (bf16 w4a8 on
-    a CPU with the kernels), the shipped head, adaptive speculation."""
+    a CPU with the kernels), the shipped head with prompt lookup grafted into its rounds,
+    adaptive speculation."""
     path = pull(NAME, progress=False)
     head = packaged_head(NAME)
     assert head is not None
     return LLM(
         str(path), dtype="auto", quant="auto", progress=False, method="eagle3", draft=str(head),
-        speculation="adaptive",
+        speculation="adaptive", lookup_tokens=DEFAULT_LOOKUP_TOKENS,
     )  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -74,8 +74,13 @@ class HTTPError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-def create_app(llm: LLM, options: ServeOptions) -> FastAPI:
-    """An app serving `llm` (its proposer, num_draft and tree set the speculation)."""
+def create_app(
+    llm: LLM, options: ServeOptions, on_stop: Callable[[], None] | None = None
+) -> FastAPI:
+    """An app serving `llm` (its proposer, num_draft and tree set the speculation). `on_stop`
+    runs at shutdown once the engine thread has ended (serve keeps the adaptive policy's
+    calibration there: uvicorn ends a SIGTERM'd process by re-raising the signal after its
+    shutdown, so code after `uvicorn.run` never runs then)."""
     proposer = llm.proposer or NoDraft()
     tree: TreeConfig | None = llm.tree
     check_speculation(proposer, [SamplingParams()], tree)
@@ -109,6 +114,8 @@ def create_app(llm: LLM, options: ServeOptions) -> FastAPI:
         scheduler.start()
         yield
         await asyncio.to_thread(scheduler.stop, options.shutdown_grace)
+        if on_stop is not None:
+            on_stop()
 
     app = FastAPI(title="eaglespec", lifespan=lifespan)
     app.state.scheduler = scheduler

@@ -68,9 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if llm.compile != "none":  # compile before serving: one batch of one and one of two
         print("[compiling the decode steps: warm-up generations]", file=sys.stderr)
         llm.warm_up("Hello", batch_sizes=(1, 2))
-    app = create_app(llm, options)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-    finally:
-        calibration.save()  # what serving taught the policy, per batch size, for the next start
+    # What serving taught the policy, per batch size, is kept for the next start, at shutdown
+    # (Ctrl-C or SIGTERM alike: create_app's on_stop).
+    app = create_app(llm, options, on_stop=calibration.save)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -1,0 +1,133 @@
+"""`eaglespec serve` as a user starts it: its own process, no options but a port, so every setting
+is the command's default (SmolLM2 at the GGUF's own precision, the shipped EAGLE-3 head with
+prompt lookup grafted in, adaptive speculation, chunked prefill), driven by the real `openai`
+client. Its greedy answers equal plain greedy decoding of the same model at the same precision;
+streamed text equals the whole answer; SIGTERM ends it after a graceful shutdown that keeps the
+calibration. The process keeps what it learns
+(its calibration) under a temporary EAGLESPEC_HOME, not the user's cache."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eaglespec import LLM, SamplingParams
+from eaglespec.generate import generate_stream
+from eaglespec.paths import cache_dir
+from eaglespec.registry import pull
+from eaglespec.requests import collect_outputs
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.real
+
+NAME = "smollm2-135m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+    pull(NAME, progress=False)  # into the user's cache, which the process reads through a link
+    home = tmp_path_factory.mktemp("home")
+    (home / "models").symlink_to(cache_dir() / "models", target_is_directory=True)
+    port = _free_port()
+    env = {**os.environ, "EAGLESPEC_HOME": str(home)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eaglespec", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"serve exited with {proc.returncode}:\n{out}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("serve did not answer /health within 180 s")
+        time.sleep(0.2)
+    try:
+        yield url, proc, home
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    """The same model at the same (default) precision, decoding plainly in this process."""
+    return LLM(str(pull(NAME, progress=False)), dtype="auto", quant="auto", progress=False)
+
+
+def _plain(llm: LLM, ids: list[int], max_tokens: int) -> str:
+    params = SamplingParams(max_tokens=max_tokens)
+    return collect_outputs(generate_stream(llm.model, llm.tokenizer, [ids], [params]))[0].text
+
+
+def test_the_served_defaults_answer_as_plain_decoding(
+    served: tuple[str, subprocess.Popen, Path], reference: LLM
+) -> None:
+    url, proc, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    # A request that quotes its context (lookup grafts), one that does not, and a raw completion.
+    quoted = (
+        "Repeat this list, then add one more item: apples, pears, plums, cherries, apricots, "
+        "peaches, figs."
+    )
+    for question in (quoted, "What is the capital of France?"):
+        messages = [{"role": "user", "content": question}]
+        whole = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=48, temperature=0
+        )
+        ids = reference.tokenizer.encode_chat(messages)
+        assert whole.choices[0].message.content == _plain(reference, ids, 48), question
+        assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+        stream = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=48, temperature=0, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == whole.choices[0].message.content
+    prompt = "The three primary colours are"
+    done = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+    assert done.choices[0].text == _plain(reference, reference.tokenizer.encode(prompt), 24)
+    assert proc.poll() is None  # still serving
+
+
+def test_sigterm_ends_the_server_cleanly(served: tuple[str, subprocess.Popen, Path]) -> None:
+    """After the requests above: SIGTERM, exit status 0, the startup report named the defaults
+    (precision, the head with prompt lookup), and what serving taught the adaptive policy was
+    kept under the process's EAGLESPEC_HOME."""
+    _, proc, home = served
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    # uvicorn shuts down gracefully, then re-raises the signal: the status says "ended by SIGTERM"
+    assert proc.returncode == -signal.SIGTERM, out
+    assert "Application shutdown complete" in out
+    assert "w4a8" in out or "float32" in out  # the precision line (w4a8 where the kernel runs)
+    assert "EAGLE-3 head smollm2-135m" in out and "prompt-lookup tokens" in out
+    assert list((home / "calibration").glob("*.json")), "serving's calibration was not kept"
