@@ -7,7 +7,8 @@ with the shipped head; greedy, and every output is checked against plain's.
         --configs 2:0 2:4:2 2:2:2 2:6:2 2:4:1 2:4:3 1:4:2
 
 A configuration is CHAIN:LOOKUP[:MIN_NGRAM[:MAX_NGRAM]] (LOOKUP 0: the head alone; n-grams of
-MIN .. MAX tokens, default 2 .. 3), or tree:LOOKUP[...] for the 4,4,16 tree. Prints one row per
+MIN .. MAX tokens, default 2 .. 3), or tree:LOOKUP[...] for the 4,4,16 tree, tree=D,K,N:LOOKUP[...]
+for another. Prints one row per
 configuration: tokens a round (the bonus included) and speed over plain, over all turns and per
 file.
 """
@@ -38,7 +39,10 @@ TREE = TreeConfig(depth=4, top_k=4, num_nodes=16)
 
 def method(label: str, head: Eagle3Proposer) -> BenchMethod:
     parts = label.split(":")
-    tree = TREE if parts[0] == "tree" else None
+    tree = None
+    if parts[0].startswith("tree"):
+        shape = parts[0].removeprefix("tree").lstrip("=")
+        tree = TreeConfig(*map(int, shape.split(","))) if shape else TREE
     chain = 0 if tree else int(parts[0])
     lookup = int(parts[1])
     if lookup == 0:
