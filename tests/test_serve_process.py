@@ -1,10 +1,11 @@
-"""`eaglespec serve` as a user starts it: its own process, no options but a port, so every setting
-is the command's default (SmolLM2 at the GGUF's own precision, the shipped EAGLE-3 head with
-prompt lookup grafted in, adaptive speculation, chunked prefill), driven by the real `openai`
-client. Its greedy answers equal plain greedy decoding of the same model at the same precision;
-streamed text equals the whole answer; SIGTERM ends it after a graceful shutdown that keeps the
-calibration. The process keeps what it learns
-(its calibration) under a temporary EAGLESPEC_HOME, not the user's cache."""
+"""`eaglespec serve` and `eaglespec chat` as a user starts them: each its own process, with no
+options but serve's port, so every setting is the command's default (SmolLM2 at the GGUF's own
+precision, the shipped EAGLE-3 head with prompt lookup grafted in, adaptive speculation, serve's
+chunked prefill). The server, driven by the real `openai` client, and the chat, driven through
+standard input, answer as plain greedy decoding of the same model at the same precision does;
+streamed text equals the whole answer; SIGTERM ends the server after a graceful shutdown that
+keeps its calibration. Each process keeps what it learns under a temporary EAGLESPEC_HOME, not
+the user's cache."""
 
 from __future__ import annotations
 
@@ -38,13 +39,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _home(home: Path) -> Path:
+    """An EAGLESPEC_HOME for a command's process: the user's downloaded models (linked; pulled
+    first if need be), and its own calibration folder."""
+    pull(NAME, progress=False)
+    (home / "models").symlink_to(cache_dir() / "models", target_is_directory=True)
+    return home
+
+
 @pytest.fixture(scope="module")
 def served(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, subprocess.Popen, Path]]:
-    pull(NAME, progress=False)  # into the user's cache, which the process reads through a link
-    home = tmp_path_factory.mktemp("home")
-    (home / "models").symlink_to(cache_dir() / "models", target_is_directory=True)
+    home = _home(tmp_path_factory.mktemp("home"))
     port = _free_port()
     env = {**os.environ, "EAGLESPEC_HOME": str(home)}
     proc = subprocess.Popen(
@@ -131,3 +138,30 @@ def test_sigterm_ends_the_server_cleanly(served: tuple[str, subprocess.Popen, Pa
     assert "w4a8" in out or "float32" in out  # the precision line (w4a8 where the kernel runs)
     assert "EAGLE-3 head smollm2-135m" in out and "prompt-lookup tokens" in out
     assert list((home / "calibration").glob("*.json")), "serving's calibration was not kept"
+
+
+def test_chat_command_at_its_defaults_keeps_the_conversation(
+    tmp_path: Path, reference: LLM
+) -> None:
+    """`eaglespec chat` as a user runs it, turns on standard input: each answer is plain greedy
+    decoding's of the conversation so far (the second turn sees the first answer), /reset
+    forgets it, /exit ends the command with status 0."""
+    env = {**os.environ, "EAGLESPEC_HOME": str(_home(tmp_path))}
+    turns = ["Name a fruit.", "Now name a vegetable.", "/reset", "What is 2 + 2?", "/exit"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "eaglespec", "chat", "--max-tokens", "24"],
+        input="\n".join(turns) + "\n",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "prompt-lookup tokens" in proc.stderr and "[conversation cleared]" in proc.stderr
+    tok = reference.tokenizer
+    first = [{"role": "user", "content": turns[0]}]
+    a1 = _plain(reference, tok.encode_chat(first), 24)
+    second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": turns[1]}]
+    a2 = _plain(reference, tok.encode_chat(second), 24)
+    a3 = _plain(reference, tok.encode_chat([{"role": "user", "content": turns[3]}]), 24)
+    assert proc.stdout == f"{a1}\n{a2}\n{a3}\n"
