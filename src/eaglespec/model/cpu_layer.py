@@ -211,16 +211,7 @@ def forward(
 ) -> torch.Tensor:
     """Block.forward in one call -> (B, T, C)."""
     out: torch.Tensor = torch.ops.eaglespec_layer.forward(
-        x,
-        *args.norms,
-        *args.matrices,
-        *rope,
-        k_cache,
-        v_cache,
-        plan.slots,
-        plan.num_keys,
-        plan.mask,
-        args.num_heads,
+        x, *_op_args(args, rope, k_cache, v_cache, plan)
     )
     return out
 
@@ -237,8 +228,22 @@ def forward_draft(
     """The head layer from its attention input on, in one call -> (B, T, C): the ops of
     DraftAttention, the residual add and the MLP block, in their order."""
     out: torch.Tensor = torch.ops.eaglespec_layer.forward_from(
-        residual,
-        h,
+        residual, h, *_op_args(args, rope, k_cache, v_cache, plan)
+    )
+    return out
+
+
+def _op_args(
+    args: LayerArgs,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: CachePlan,
+) -> tuple[object, ...]:
+    """What both ops take after their inputs, in their order: the norms, the packed matrices
+    with biases and output sizes, RoPE, the caches, the plan's slots, key count and mask, the
+    head count."""
+    return (
         *args.norms,
         *args.matrices,
         *rope,
@@ -249,4 +254,3 @@ def forward_draft(
         plan.mask,
         args.num_heads,
     )
-    return out
