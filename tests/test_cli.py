@@ -79,3 +79,20 @@ def test_train_refuses_a_negative_number_of_prompts(
     assert stop.value.code == 2
     assert f"argument {flag}: must be 0 or more, got -1" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_lookup_tokens_with_another_method_or_negative_is_an_error(
+    tiny_hf_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prompt lookup is grafted into an EAGLE-3 head's drafts: asked of another method, or a
+    negative count, is a one-line error naming it, not silently ignored."""
+    base = ["generate", "--model", str(tiny_hf_folder), "--max-tokens", "2", "Hi"]
+    assert main([*base, "--method", "lookup", "--lookup-tokens", "2"]) == 2
+    assert "need method eagle3" in capsys.readouterr().err
+    assert main([*base, "--draft", "random", "--lookup-tokens", "-1"]) == 2
+    assert "lookup tokens (-1)" in capsys.readouterr().err
+    # eagle3 with lookup (the default count) runs; --lookup-tokens 0 runs the head alone
+    assert main([*base, "--draft", "random", "--no-compare"]) == 0
+    assert "prompt-lookup tokens a round" in capsys.readouterr().err
+    assert main([*base, "--draft", "random", "--lookup-tokens", "0", "--no-compare"]) == 0
+    assert "prompt-lookup" not in capsys.readouterr().err
