@@ -71,7 +71,7 @@ def test_the_fused_layer_has_the_python_forwards_bits(
     assert cpu_layer.fits(block, x, model.new_cache(1, 4).k_layers[0], plan)
     with torch.inference_mode():
         fused, fused_cache = _run(model)
-        monkeypatch.setattr(cpu_layer, "layer_args", lambda *a: None)
+        monkeypatch.setattr(cpu_layer, "block_args", lambda *a: None)
         python, python_cache = _run(copy.deepcopy(model))
     for a, b in zip(fused, python, strict=True):
         assert torch.equal(a, b)
@@ -128,7 +128,7 @@ def test_the_fused_layer_reads_weights_replaced_after_a_forward(
         model.layers[1].mlp_norm.weight = donor.layers[1].mlp_norm.weight  # another parameter
         model.layers[2].attn_norm.eps = 1e-2  # another size
         fused, fused_cache = _run(model)
-        monkeypatch.setattr(cpu_layer, "layer_args", lambda *a: None)
+        monkeypatch.setattr(cpu_layer, "block_args", lambda *a: None)
         python, python_cache = _run(copy.deepcopy(model))
     for a, b in zip(fused, python, strict=True):
         assert torch.equal(a, b)

@@ -129,7 +129,8 @@ def _matrices(
 
 def block_args(block: Block) -> LayerArgs | None:
     """The fused op's arguments for a decoder layer whose forward `step_fits`, or None where its
-    modules are of kinds the op does not take."""
+    modules are of kinds the op does not take. The one place that decides a decoder layer's
+    path: Transformer.body and Block.forward both ask it."""
     args = _target_args(block)
     return args if args.fused else None
 
@@ -175,16 +176,6 @@ def step_fits(x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
     )
 
 
-def layer_args(
-    block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan
-) -> LayerArgs | None:
-    """The fused op's arguments for this decoder layer's forward, or None where the op does not
-    take it (module doc)."""
-    if not step_fits(x, k_cache, plan):
-        return None
-    return block_args(block)
-
-
 def draft_args(
     layer: nn.Module, h: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan
 ) -> LayerArgs | None:
@@ -198,7 +189,7 @@ def draft_args(
 
 def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
     """Whether the fused op takes this layer's forward."""
-    return layer_args(block, x, k_cache, plan) is not None
+    return step_fits(x, k_cache, plan) and block_args(block) is not None
 
 
 def forward(

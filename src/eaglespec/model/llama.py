@@ -99,7 +99,7 @@ class Block(nn.Module):
         v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
-        fused = cpu_layer.layer_args(self, x, k_cache, plan)
+        fused = cpu_layer.block_args(self) if cpu_layer.step_fits(x, k_cache, plan) else None
         if fused is not None:  # eager w4a8 on CPU: the same ops in C++
             return cpu_layer.forward(fused, x, rope, k_cache, v_cache, plan)
         x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, plan)
