@@ -70,7 +70,7 @@ def make_proposer(
     if draft == "random":
         layers = tuple(capture) if capture else default_capture(model.cfg.num_layers)
         head = quantize_model(random_eagle3(model, seed=0, capture=layers), quant)
-        return _with_lookup(
+        return with_lookup(
             Eagle3Proposer(head, layers),
             f"random EAGLE-3 head (seed 0), capture {layers}",
             lookup_tokens,
@@ -83,10 +83,12 @@ def make_proposer(
         f"EAGLE-3 head {r.folder.name} ({r.format}, {r.own_bytes / 1e6:.1f} MB own"
         f"{shared if r.shared else ''}), capture {r.capture} ({r.capture_origin})"
     )
-    return _with_lookup(Eagle3Proposer(loaded.head, loaded.capture), line, lookup_tokens)
+    return with_lookup(Eagle3Proposer(loaded.head, loaded.capture), line, lookup_tokens)
 
 
-def _with_lookup(head: Eagle3Proposer, report: str, lookup_tokens: int) -> Speculation:
+def with_lookup(head: Eagle3Proposer, report: str, lookup_tokens: int) -> Speculation:
+    """The head with `lookup_tokens` prompt-lookup tokens grafted in (itself for 0), and the
+    report line saying so."""
     if lookup_tokens < 1:
         return Speculation(head, report)
     hybrid = HybridProposer(head, lookup_tokens)

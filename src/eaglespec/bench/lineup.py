@@ -28,12 +28,18 @@ from typing import Protocol
 from eaglespec.bench.llamacpp import LLAMA_CPP, LlamaCppMethod, check_llama_cpp
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer
-from eaglespec.draft.hybrid import HybridProposer
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
-from eaglespec.methods import DEFAULT_DRAFT_TOKENS, Speculation, compile_proposer, make_proposer
+from eaglespec.methods import (
+    DEFAULT_DRAFT_TOKENS,
+    DEFAULT_LOOKUP_TOKENS,
+    Speculation,
+    compile_proposer,
+    make_proposer,
+    with_lookup,
+)
 from eaglespec.model.loader import LoadedModel
 from eaglespec.policy import DraftPolicy, make_policy
 from eaglespec.requests import RequestOutput, collect_outputs
@@ -154,7 +160,7 @@ def build_methods(
     quant: str,
     compile: str,
     progress: bool,
-    lookup_tokens: int = 4,
+    lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
 ) -> list[Method]:
     """Load each draft once (the EAGLE-3 head serves chain and tree). `quant` applies to the
     drafts as to the target; `compile` to a draft model's steps and an EAGLE-3 head's layers
@@ -173,10 +179,7 @@ def build_methods(
         if "eagle3+lookup" not in specs:
             head = speculation("eagle3", drafts.eagle3)
             assert isinstance(head.proposer, Eagle3Proposer)
-            specs["eagle3+lookup"] = Speculation(
-                HybridProposer(head.proposer, lookup_tokens),
-                f"{head.report}; + up to {lookup_tokens} prompt-lookup tokens a round",
-            )
+            specs["eagle3+lookup"] = with_lookup(head.proposer, head.report, lookup_tokens)
         return specs["eagle3+lookup"]
 
     out: list[Method] = []
