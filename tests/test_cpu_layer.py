@@ -60,6 +60,17 @@ def _run(model: Transformer) -> tuple[list[torch.Tensor], torch.Tensor]:
     return outs, torch.stack([cache.k, cache.v])
 
 
+def _assert_fused_is_python(model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """_run on the model (fused where the op takes it) and on a copy through the Python forward
+    (block_args patched to refuse every layer): the same logits, states and cache bits."""
+    fused, fused_cache = _run(model)
+    monkeypatch.setattr(cpu_layer, "block_args", lambda *a: None)
+    python, python_cache = _run(copy.deepcopy(model))
+    for a, b in zip(fused, python, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_cache, python_cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_fused_layer_has_the_python_forwards_bits(
@@ -70,12 +81,7 @@ def test_the_fused_layer_has_the_python_forwards_bits(
     plan = model.new_cache(1, 4).plan(1)
     assert cpu_layer.fits(block, x, model.new_cache(1, 4).k_layers[0], plan)
     with torch.inference_mode():
-        fused, fused_cache = _run(model)
-        monkeypatch.setattr(cpu_layer, "block_args", lambda *a: None)
-        python, python_cache = _run(copy.deepcopy(model))
-    for a, b in zip(fused, python, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(fused_cache, python_cache)
+        _assert_fused_is_python(model, monkeypatch)
 
 
 @pytest.mark.parametrize("draft", ["random-head", "oracle-noisy"])
@@ -127,12 +133,7 @@ def test_the_fused_layer_reads_weights_replaced_after_a_forward(
         model.layers[1].attn.wqkv.register_buffer("weight", donor.layers[1].attn.wqkv.weight)
         model.layers[1].mlp_norm.weight = donor.layers[1].mlp_norm.weight  # another parameter
         model.layers[2].attn_norm.eps = 1e-2  # another size
-        fused, fused_cache = _run(model)
-        monkeypatch.setattr(cpu_layer, "block_args", lambda *a: None)
-        python, python_cache = _run(copy.deepcopy(model))
-    for a, b in zip(fused, python, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(fused_cache, python_cache)
+        _assert_fused_is_python(model, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
