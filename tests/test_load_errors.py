@@ -78,9 +78,23 @@ def test_truncated_gguf(tmp_path: Path) -> None:
 
 def test_gguf_of_unsupported_architecture(tmp_path: Path) -> None:
     path = tmp_path / "g.gguf"
-    _tiny_gguf(path, "gemma3")
-    with pytest.raises(UnsupportedArchitectureError, match="'gemma3'"):
+    _tiny_gguf(path, "gemma3n")
+    with pytest.raises(UnsupportedArchitectureError, match="'gemma3n'"):
         load_model(path)
+
+
+@pytest.mark.parametrize(
+    ("arch", "named"),
+    [
+        ("Gemma3ForConditionalGeneration", "vision-language"),
+        ("Gemma3nForCausalLM", "Gemma 3n"),
+        ("Gemma2ForCausalLM", "Gemma 2"),
+    ],
+)
+def test_gemma_variants_not_implemented_are_named(folder: Path, arch: str, named: str) -> None:
+    _edit_config(folder, architectures=[arch], model_type="gemma3")
+    with pytest.raises(UnsupportedArchitectureError, match=f"{arch} is not implemented: .*{named}"):
+        load_model(folder)
 
 
 def test_unknown_model_name() -> None:

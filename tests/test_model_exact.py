@@ -50,6 +50,22 @@ VARIANTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096, "head_dim": 16}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # Gemma 3: a window of 6 keys, shorter than every test's sequence, on three of four layers
+    # (each kind with its own RoPE base), and a query scale other than head_dim ** -0.5.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 32,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"] + ["sliding_attention"] * 2,
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        },
+    ),
 }
 
 

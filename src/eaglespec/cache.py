@@ -241,6 +241,41 @@ def write_entries(
     v_cache.index_put_(index, v_new)
 
 
+def sliding_plan(
+    plan: CachePlan,
+    positions: torch.Tensor,  # (B, T) int64 RoPE positions of the new tokens
+    window: int,
+) -> CachePlan:
+    """The plan of a sliding-window layer (Gemma 3): `plan`'s keys less those `window` or more
+    positions behind each query, as transformers masks them (key position > query position -
+    window). A committed entry's position is its slot (rows commit in order; a verified tree's
+    accepted path is moved into consecutive slots), a new entry's is its own. Where the keys
+    reach back less than `window` positions every key is within every window and `plan` is
+    returned as it is (no mask is made: the usual case below the window)."""
+    K = plan.num_keys
+    if window >= K:  # positions never exceed slots here: every key is within reach
+        return plan
+    B, T = positions.shape
+    dev = positions.device
+    key_pos = torch.arange(K, device=dev).expand(B, K).clone()  # (B, K): committed slot s at s
+    key_pos.scatter_(1, plan.slots, positions)  # the new entries at their own positions
+    band = key_pos[:, None, :] > positions[:, :, None] - window  # (B, T, K)
+    if plan.mask is not None:
+        base = plan.mask  # (B, 1, T, K)
+    elif T == 1:
+        base = torch.ones(B, 1, 1, K, dtype=torch.bool, device=dev)  # the whole prefix
+    else:  # no prefix: causal among the new tokens (K == T)
+        t = torch.arange(T, device=dev)
+        base = (t[None, :] <= t[:, None]).expand(B, 1, T, T)
+    return CachePlan(
+        write_index=plan.write_index,
+        slots=plan.slots,
+        num_keys=K,
+        mask=base & band[:, None],
+        prefix_free=False,
+    )
+
+
 def attention_mask(
     lengths: Sequence[int], num_new: int, new_mask: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor | None:

@@ -1,7 +1,9 @@
 """Frozen configuration dataclasses, built from checkpoints by explicit constructors, never from
 file names.
 
-`ModelConfig` describes one Llama-family target (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3).
+`ModelConfig` describes one target decoder: the Llama family (Llama 2/3, SmolLM2, Mistral,
+Qwen2/2.5, Qwen3) and Gemma 3's text models, which differ from it only in the fields below that
+default to Llama's behaviour.
 `SamplingParams` is per-request data; it never holds engine settings.
 """
 
@@ -19,8 +21,20 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# model_type -> family where the two differ (a Gemma 3 text checkpoint saves "gemma3_text")
+_MODEL_TYPES = {"gemma3_text": "gemma3"}
+# Relatives that share a name with a supported family but not its computation: refused by name.
+_NOT_IMPLEMENTED = {
+    "Gemma3ForConditionalGeneration": "Gemma 3's vision-language model (its text model, "
+    "Gemma3ForCausalLM, is supported)",
+    "Gemma3nForCausalLM": "Gemma 3n",
+    "Gemma3nForConditionalGeneration": "Gemma 3n",
+    "Gemma2ForCausalLM": "Gemma 2 (logit soft-capping)",
+    "GemmaForCausalLM": "Gemma 1",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +65,31 @@ class ModelConfig:
     o_bias: bool = False  # Llama `attention_bias`: bias on o_proj too
     mlp_bias: bool = False  # Llama `mlp_bias`
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    sliding_window: int | None = None  # Mistral: contexts are capped to this, as we attend densely
+    # Mistral (no sliding_layers): contexts are capped to this, as all its layers attend densely.
+    # Gemma 3: the window of the layers marked in sliding_layers, applied as a mask.
+    sliding_window: int | None = None
     name: str = ""  # human-readable model name from the checkpoint, for reports only
+    # Gemma 3 (all default to the Llama family's computation):
+    sliding_layers: tuple[bool, ...] = ()  # per layer: attends only the last sliding_window keys
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (unscaled)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too, before the adds
+    mlp_act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh"
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden), rounded to the dtype
+    query_scale: float | None = None  # attention's score scale where not head_dim ** -0.5
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
             supported = ", ".join(SUPPORTED_FAMILIES)
             raise UnsupportedArchitectureError(
                 f"unsupported architecture '{self.family}' (supported: {supported})"
+            )
+        if self.mlp_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedArchitectureError(f"unsupported MLP activation '{self.mlp_act}'")
+        if self.sliding_layers and (
+            len(self.sliding_layers) != self.num_layers or self.sliding_window is None
+        ):
+            raise ModelLoadError(
+                f"sliding_layers must give {self.num_layers} layers and come with a window"
             )
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
@@ -76,7 +107,7 @@ class ModelConfig:
     @property
     def context_limit(self) -> int:
         """The longest sequence this engine will run: the trained context (or Mistral's window)."""
-        if self.sliding_window is not None:
+        if self.sliding_window is not None and not self.sliding_layers:
             return min(self.max_position, self.sliding_window)
         return self.max_position
 
@@ -84,15 +115,23 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Build from a transformers `config.json` dict (transformers 4.x and 5.x rope layouts)."""
         archs = cfg.get("architectures") or []
+        if archs and archs[0] in _NOT_IMPLEMENTED:
+            raise UnsupportedArchitectureError(
+                f"{source}: {archs[0]} is not implemented: {_NOT_IMPLEMENTED[archs[0]]} "
+                f"(supported: {', '.join(_HF_ARCHITECTURES)})"
+            )
         family = _HF_ARCHITECTURES.get(archs[0]) if archs else None
         if family is None:
             family = cfg.get("model_type", "")
+            family = _MODEL_TYPES.get(family, family)
             if family not in SUPPORTED_FAMILIES:
                 what = archs[0] if archs else family or "<none>"
                 raise UnsupportedArchitectureError(
                     f"{source}: unsupported architecture '{what}' "
                     f"(supported: {', '.join(_HF_ARCHITECTURES)})"
                 )
+        if family == "gemma3":
+            return _gemma3(cfg, source)
         try:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -120,6 +159,69 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing required key {e.args[0]!r}") from None
+
+
+def _gemma3(cfg: dict[str, Any], source: str) -> ModelConfig:
+    """Gemma 3's text model (transformers' Gemma3TextConfig, 4.x and 5.x layouts): Llama's layer
+    with four norms, q/k norms, a GELU-tanh gate, scaled embeddings, a query scale of its own and
+    sliding-window layers (every sixth layer global unless `layer_types` says) with a RoPE base
+    of their own."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise UnsupportedArchitectureError(f"{source}: Gemma 3 with {key} is not implemented")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedArchitectureError(f"{source}: bidirectional Gemma 3 is not implemented")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedArchitectureError(f"{source}: unsupported Gemma 3 activation '{act}'")
+    try:
+        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+        kinds = cfg.get("layer_types") or [
+            "full_attention"
+            if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0
+            else "sliding_attention"
+            for i in range(layers)
+        ]
+        if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+            raise ModelLoadError(f"{source}: layer_types must name {layers} attention kinds")
+        # rope_parameters (5.x) keys the two kinds; 4.x has rope_theta, rope_local_base_freq and
+        # rope_scaling (the global layers')
+        params = cfg.get("rope_parameters") or {}
+        full = dict(params.get("full_attention") or cfg.get("rope_scaling") or {})
+        local = dict(params.get("sliding_attention") or {})
+        if parse_rope_scaling(local, source=source) is not None:
+            raise UnsupportedArchitectureError(f"{source}: RoPE scaling on sliding layers")
+        head_dim = int(cfg.get("head_dim") or 256)
+        return ModelConfig(
+            family="gemma3",
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+            max_position=int(cfg.get("max_position_embeddings", 131_072)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            rope_scaling=parse_rope_scaling(full, source=source),
+            qkv_bias=bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=True,
+            sliding_window=int(cfg.get("sliding_window") or 4096),
+            name=str(cfg.get("_name_or_path", "")),
+            sliding_layers=tuple(k == "sliding_attention" for k in kinds),
+            rope_local_theta=float(
+                local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+            ),
+            sandwich_norms=True,
+            mlp_act="gelu_tanh",
+            embed_scale=True,
+            query_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{source}: missing required key {e.args[0]!r}") from None
 
 
 def _sliding_window(cfg: dict[str, Any], family: str) -> int | None:

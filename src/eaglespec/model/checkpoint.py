@@ -24,6 +24,7 @@ _GGUF_FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 # llama.cpp tensor name -> HF name; `{i}` is the layer index.
@@ -42,6 +43,14 @@ _GGUF_NAMES = {
     "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+# Gemma 3's four norms a layer, as llama.cpp names them (its ffn_norm is the MLP's input norm,
+# which Gemma calls pre_feedforward_layernorm).
+_GGUF_GEMMA3_NAMES = {
+    **_GGUF_NAMES,
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+    "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
 }
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -74,13 +83,15 @@ class GGUFCheckpoint:
     @classmethod
     def open(cls, path: Path) -> GGUFCheckpoint:
         f = GGUFFile.open(path)
+        config = gguf_config(f)
+        names = _GGUF_GEMMA3_NAMES if config["model_type"] == "gemma3" else _GGUF_NAMES
         hf_to_gguf = {}
         for name in f.tensors:
-            hf = _hf_name(name)
+            hf = _hf_name(name, names)
             if hf is not None:
                 hf_to_gguf[hf] = name
         factors = f.load("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
-        return cls(path, f, gguf_config(f), hf_to_gguf, factors)
+        return cls(path, f, config, hf_to_gguf, factors)
 
     def names(self) -> set[str]:
         return set(self.hf_to_gguf)
@@ -96,11 +107,11 @@ class GGUFCheckpoint:
         return t.to(dtype)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, names: dict[str, str]) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight / bias
     m = _GGUF_BLOCK.match(stem)
     key = f"blk.{{i}}.{m.group(2)}" if m else stem
-    hf = _GGUF_NAMES.get(key)
+    hf = names.get(key)
     if hf is None:
         return None
     return f"{hf.format(i=m.group(1)) if m else hf}.{suffix}"
@@ -153,6 +164,8 @@ def gguf_config(f: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
         "_name_or_path": str(meta.get("general.name", f.path.name)),
     }
+    if arch == "gemma3":
+        cfg.update(_gemma3_config(get, cfg))
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {
@@ -163,6 +176,22 @@ def gguf_config(f: GGUFFile) -> dict[str, Any]:
             ),
         }
     return cfg
+
+
+def _gemma3_config(get: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma 3 GGUF leaves to the reader, as llama.cpp's own loader fills it in
+    (src/llama-model.cpp): every sixth layer global, the sliding layers' RoPE base 10,000, the
+    query scale 1/sqrt(head_dim) but 1/sqrt(hidden / heads) for the 62-layer 27B, GELU-tanh."""
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    scalar = hidden // cfg["num_attention_heads"] if layers == 62 else cfg["head_dim"]
+    return {
+        "sliding_window": int(get("attention.sliding_window")),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": float(get("rope.freq_base", 1_000_000.0)),
+    }
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -88,17 +88,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: w2(silu(gate(x)) * up(x)), with gate and up fused into one matmul (w13)."""
+    """w2(act(gate(x)) * up(x)), with gate and up fused into one matmul (w13): SwiGLU (act
+    "silu", the Llama family) or GeGLU with the tanh approximation ("gelu_tanh", Gemma 3)."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool, act: str = "silu") -> None:
         super().__init__()
         self.hidden = hidden
+        self.act = act
         self.w13 = nn.Linear(dim, 2 * hidden, bias=bias)  # rows: [gate; up]
         self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.hidden, dim=-1)  # (B, T, I) each
-        out: torch.Tensor = self.w2(F.silu(gate) * up)
+        g = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        out: torch.Tensor = self.w2(g * up)
         return out
 
 

@@ -1,5 +1,6 @@
-"""The target model: one Llama-family decoder configured by `ModelConfig` (Llama 2/3, SmolLM2,
-Mistral, Qwen2/2.5, Qwen3).
+"""The target model: one decoder configured by `ModelConfig`: the Llama family (Llama 2/3,
+SmolLM2, Mistral, Qwen2/2.5, Qwen3) and Gemma 3's text models (`SandwichBlock` layers, scaled
+embeddings, sliding-window layers with a RoPE base of their own).
 
 Dims: B batch, T new tokens, K attended keys, H / Hkv heads, D head dim, C hidden, V vocab,
 L layers.
@@ -22,7 +23,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
-from eaglespec.cache import CachePlan, KVCache
+from eaglespec.cache import CachePlan, KVCache, sliding_plan
 from eaglespec.config import ModelConfig
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model import cpu_layer
@@ -62,6 +63,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # The attention kernels scale scores by D ** -0.5; a model with a scale of its own
+        # (Gemma 3's query_pre_attn_scalar) has its queries multiplied by the ratio first.
+        ratio = 1.0 if cfg.query_scale is None else cfg.query_scale * cfg.head_dim**0.5
+        self.q_ratio = None if ratio == 1.0 else ratio
 
     def forward(
         self,
@@ -77,7 +82,10 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
-            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), 2)
+            q = self.q_norm(q)
+            if self.q_ratio is not None:
+                q = q * self.q_ratio
+            qkv = torch.cat((q, self.k_norm(k), v), 2)
         out = cached_attention(qkv, rope, k_cache, v_cache, plan, H)  # (B, T, H * D)
         y: torch.Tensor = self.wo(out)
         return y
@@ -107,8 +115,37 @@ class Block(nn.Module):
         return y
 
 
+class SandwichBlock(nn.Module):
+    """Gemma 3's layer: Block's, with each sublayer's output normed again before its residual add
+    (transformers' post_attention_layernorm and post_feedforward_layernorm) and the MLP's own
+    input norm (pre_feedforward_layernorm, here mlp_norm). Python forward only: the fused CPU
+    layer (cpu_layer.py) is Block's."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.mlp_act)
+        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, C)
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: CachePlan,
+    ) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope, k_cache, v_cache, plan))
+        y: torch.Tensor = x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+        return y
+
+
 class Transformer(nn.Module):
     inv_freq: torch.Tensor  # buffer, registered in __init__
+    inv_freq_local: torch.Tensor | None  # the sliding layers' (Gemma 3), else None
 
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor | None = None) -> None:
         """`inv_freq` (D/2,) overrides the RoPE frequencies derived from `cfg` (GGUF files store
@@ -116,7 +153,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        block = SandwichBlock if cfg.sandwich_norms else Block
+        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -124,6 +162,10 @@ class Transformer(nn.Module):
         if inv_freq is None:
             inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,) fp32
+        local = None
+        if cfg.rope_local_theta is not None:
+            local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None)
+        self.register_buffer("inv_freq_local", local, persistent=False)  # (D/2,) fp32 or None
         # Set by `compile_steps`: the compiled `body`, used for forwards of few tokens.
         self.compiled_body: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None
         self.compile_max_tokens = 0
@@ -189,17 +231,30 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The forward's tensor work: (B, T', V) fp32 logits and one (B, T, C) state per capture."""
         B = input_ids.shape[0]
+        cfg = self.cfg
         rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
         x = self.embed(input_ids)  # (B, T, C)
+        if cfg.embed_scale:  # Gemma: the scale rounded to the dtype first, as transformers does
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
+        # Sliding-window layers (Gemma 3): their own RoPE and the keys within their window.
+        local_rope, local_plan = rope, plan
+        if cfg.sliding_layers:
+            assert cfg.sliding_window is not None
+            if self.inv_freq_local is not None:
+                local_rope = rope_cos_sin(positions, self.inv_freq_local, self.dtype)
+            local_plan = sliding_plan(plan, positions, cfg.sliding_window)
         # The state at every boundary (references, no copies), picked by `capture` at the end.
         # A dict keyed by the boundary ids breaks torch.compile's whole-body graph (dynamo
         # treats the ints of `capture` as symbolic and the dict lookup then misses).
         boundary = [x]
-        fusable = cpu_layer.step_fits(x, k_layers[0], plan)  # asked once, not per layer
+        # asked once, not per layer; Gemma's SandwichBlock has no fused path
+        fusable = not cfg.sandwich_norms and cpu_layer.step_fits(x, k_layers[0], plan)
         for i, block in enumerate(self.layers):
             fused = cpu_layer.block_args(block) if fusable else None
             if fused is not None:  # Block.forward's fused path without the module call
                 x = cpu_layer.forward(fused, x, rope, k_layers[i], v_layers[i], plan)
+            elif cfg.sliding_layers and cfg.sliding_layers[i]:
+                x = block(x, local_rope, k_layers[i], v_layers[i], local_plan)
             else:
                 x = block(x, rope, k_layers[i], v_layers[i], plan)
             boundary.append(x)

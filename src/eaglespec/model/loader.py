@@ -108,7 +108,12 @@ def parameter_sources(cfg: ModelConfig) -> dict[str, list[str]]:
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
         src[f"{ours}.attn_norm.weight"] = [f"{hf}.input_layernorm.weight"]
-        src[f"{ours}.mlp_norm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
+        if cfg.sandwich_norms:  # Gemma 3: post_attention_layernorm norms attention's output
+            src[f"{ours}.post_attn_norm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
+            src[f"{ours}.mlp_norm.weight"] = [f"{hf}.pre_feedforward_layernorm.weight"]
+            src[f"{ours}.post_mlp_norm.weight"] = [f"{hf}.post_feedforward_layernorm.weight"]
+        else:
+            src[f"{ours}.mlp_norm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
         src[f"{ours}.attn.wqkv.weight"] = [f"{attn}.{p}_proj.weight" for p in "qkv"]
         src[f"{ours}.attn.wo.weight"] = [f"{attn}.o_proj.weight"]
         src[f"{ours}.mlp.w13.weight"] = [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]
@@ -134,6 +139,7 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq=inv_freq)
     expected = dict(model.named_parameters())  # tied lm_head appears once, as embed.weight
+    offset = norm_offset(ckpt, cfg)
     available = ckpt.names()
     state: dict[str, torch.Tensor] = {}
     for ours, sources in parameter_sources(cfg).items():
@@ -147,16 +153,31 @@ def build_model(
                     f"{ckpt.path}: tensor '{name}' has shape {tuple(ckpt.shape(name))}, "
                     f"the config implies {(rows, *want[1:])}"
                 )
-            parts.append(ckpt.load(name, dtype))
+            if offset and ours.endswith("norm.weight"):  # in fp32, then to the dtype
+                parts.append((ckpt.load(name, torch.float32) + offset).to(dtype))
+            else:
+                parts.append(ckpt.load(name, dtype))
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         state[ours] = column_major(ours, tensor.to(device), device)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the shared Parameter
     model.inv_freq = inv_freq.to(device)
+    if cfg.rope_local_theta is not None:  # made on the meta device with the module
+        model.inv_freq_local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None).to(device)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"parameters with no checkpoint source: {left}"
     return model.eval().requires_grad_(False)
+
+
+def norm_offset(ckpt: Checkpoint, cfg: ModelConfig) -> float:
+    """What to add to a checkpoint's RMSNorm weights to get the factor the model multiplies by.
+    Gemma's norms multiply by (1 + weight) and its Hugging Face checkpoints store the weight;
+    llama.cpp's converter stores 1 + weight in GGUF files (transformers' GGUF reader subtracts the
+    1 again), so those are taken as they are."""
+    if cfg.family == "gemma3" and not isinstance(ckpt, GGUFCheckpoint):
+        return 1.0
+    return 0.0
 
 
 class FusedSizes(Protocol):
