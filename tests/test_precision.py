@@ -53,6 +53,19 @@ def test_a_q4_k_m_mix_counts_as_4bit() -> None:
     assert _pick("auto", "auto", storage) == ("bfloat16", "w4a8")
 
 
+def test_a_mostly_wider_mix_with_4bit_matrices_runs_each_at_its_width() -> None:
+    """Gemma-3-270M's Q4_K_M: K-quants cannot take its 640-wide rows, so most matrices are
+    Q5_0 beside Q4_K ones (and Q6_K, Q8_0): w4a8-mixed, never fewer bits than stored."""
+    storage = _gguf("Q5_0", None, tied=True, layers=4)
+    for i in range(4):
+        storage[f"blk.{i}.attn_output.weight"] = "Q4_K"
+        storage[f"blk.{i}.ffn_down.weight"] = "Q4_K" if i % 2 else "Q6_K"
+    storage["blk.0.attn_v.weight"] = "Q8_0"
+    assert _pick("auto", "auto", storage) == ("bfloat16", "w4a8-mixed")
+    storage["blk.1.attn_q.weight"] = "F16"  # a 16-bit matrix: not the kernels' to hold
+    assert _pick("auto", "auto", storage) == ("float32", "none")
+
+
 def test_everything_else_runs_unquantized_in_fp32() -> None:
     assert _pick("auto", "auto", None) == ("float32", "none")  # a Hugging Face folder
     assert _pick("auto", "auto", _gguf("Q8_0", "Q8_0")) == ("float32", "none")

@@ -108,3 +108,17 @@ def test_prefill_logits_close_to_transformers(ours: LLM, reference) -> None:
     T = ids.shape[1]
     got = ours.model(ids, torch.arange(T)[None], ours.model.new_cache(1, T)).logits
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
+
+
+def test_greedy_tokens_equal_transformers_past_the_sliding_window(ours: LLM, reference) -> None:
+    """A prompt of about 700 tokens and 24 new ones: Gemma 3's sliding layers (window 512)
+    then mask keys in the prefill and in every decode step; the other models attend all."""
+    model, tok = reference
+    text = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box." for i in range(80))
+    ref_ids = tok(text)["input_ids"]
+    assert 600 <= len(ref_ids) <= 800, len(ref_ids)
+    assert ours.encode(text, chat=False) == list(ref_ids)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ref_ids]), max_new_tokens=24, do_sample=False)
+    out = ours.generate([ref_ids], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert out.token_ids == ref[0, len(ref_ids) :].tolist()

@@ -185,6 +185,19 @@ def test_modes_replace_the_body_and_choose_the_head() -> None:
     assert isinstance(both.lm_head, w4a8.W4A8Linear)
 
 
+def test_mixed_mode_puts_the_wide_layers_through_the_8bit_kernel() -> None:
+    wide = {"layers.0.attn.wqkv", "layers.1.mlp.w2"}
+    model = quantize_model(tiny_target(0, vocab=96), "w4a8-mixed", wide)
+    for i, layer in enumerate(model.layers):
+        for path, mod in [("attn.wqkv", layer.attn.wqkv), ("attn.wo", layer.attn.wo),
+                          ("mlp.w13", layer.mlp.w13), ("mlp.w2", layer.mlp.w2)]:  # fmt: skip
+            kind = w4a8.W8A8Linear if f"layers.{i}.{path}" in wide else w4a8.W4A8Linear
+            assert type(mod) is kind, (i, path)
+    assert isinstance(model.lm_head, w4a8.W8A8Linear)
+    with pytest.raises(ValueError, match="w4a8-mixed's"):
+        quantize_model(tiny_target(0, vocab=96), "w4a8", wide)
+
+
 @pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
 def test_shapes_the_kernel_cannot_take_are_refused(kind: type[w4a8.W4A8Linear]) -> None:
     with pytest.raises(InvalidRequestError, match=r"in_features divisible by 32, got a \(8, 48\)"):

@@ -52,7 +52,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=AUTO,
         help="weight-only quantization of the linear layers (CPU only). auto (default): a GGUF "
         "stored at 4 bits runs as w4a8 on a CPU with AVX-512 VNNI (w4a8-all when its output "
-        "head is 4-bit too), as llama.cpp runs it; anything else runs unquantized "
+        "head is 4-bit too; w4a8-mixed, each matrix at its stored width of 4 or 8 bits, when "
+        "most are stored at 5-8 bits beside 4-bit ones), as llama.cpp runs it; anything else "
+        "runs unquantized "
         "(model/precision.py). int8 stores int8 "
         "weights with per-channel scales; int4 stores 4-bit weights in groups of 32 (the output "
         "head stays int8; int4-all makes it int4 too, faster for large vocabularies such as "

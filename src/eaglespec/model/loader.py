@@ -18,7 +18,7 @@ from eaglespec.model import cpu_attention, cpu_layer, cpu_rowops, w4a8
 from eaglespec.model.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
-from eaglespec.model.precision import AUTO, Precision, choose
+from eaglespec.model.precision import AUTO, FOUR_BIT, Precision, choose
 from eaglespec.model.quant import check_quant_mode, quantize_model
 from eaglespec.tokenizer import Tokenizer
 
@@ -81,7 +81,8 @@ def load_model(
     )
     cfg = ModelConfig.from_hf_dict(ckpt.config, source=str(path))
     model = build_model(ckpt, cfg, parse_dtype(precision.dtype), torch.device(device))
-    quantize_model(model, precision.quant)
+    wide = wide_matrices(ckpt, cfg) if precision.quant == "w4a8-mixed" else frozenset()
+    quantize_model(model, precision.quant, wide)
     if torch.device(device).type == "cpu":
         # eaglespec's CPU kernels are built on first use (seconds, once per machine; loaded
         # from torch's extension cache after): here, not inside the first chat turn or request
@@ -168,6 +169,19 @@ def build_model(
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"parameters with no checkpoint source: {left}"
     return model.eval().requires_grad_(False)
+
+
+def wide_matrices(ckpt: Checkpoint, cfg: ModelConfig) -> frozenset[str]:
+    """The decoder linears (module paths, "layers.0.attn.wqkv") any of whose source matrices a
+    GGUF stores above 4 bits: w4a8-mixed runs them through the 8-bit kernel."""
+    if not isinstance(ckpt, GGUFCheckpoint):
+        return frozenset()
+    stored = {hf: ckpt.file.tensors[g].qtype.name for hf, g in ckpt.hf_to_gguf.items()}
+    return frozenset(
+        ours.removesuffix(".weight")
+        for ours, sources in parameter_sources(cfg).items()
+        if ours.endswith(_DECODER_LINEARS) and any(stored[s] not in FOUR_BIT for s in sources)
+    )
 
 
 def norm_offset(ckpt: Checkpoint, cfg: ModelConfig) -> float:

@@ -6,7 +6,11 @@ matrices are 4-bit (Q4_0, Q4_1, Q4_K) runs on a CPU through eaglespec's w4a8 ker
 own 4-bit codes, exact; activations quantized to int8 per group of 32, as llama.cpp computes its
 4-bit formats), in bfloat16, the kernel's intended dtype: `w4a8` when the output head is stored
 above 4 bits (it then runs at 8 bits per group of 32, Q8_0's grid, through the same kernel's
-8-bit form), `w4a8-all` when it is 4-bit too. Anything else (a Hugging Face
+8-bit form), `w4a8-all` when it is 4-bit too. A GGUF whose decoder matrices are mostly wider
+but at most 8 bits, with some at 4 (a "Q4_K_M" of a model whose row lengths K-quants cannot
+take, such as Gemma-3-270M: Q5_0 matrices beside Q4_K ones), runs as `w4a8-mixed`: each matrix
+at its stored width, the 4-bit ones through the 4-bit kernel and the wider ones through the
+8-bit one, so none runs at fewer bits than its file holds. Anything else (a Hugging Face
 folder, a GGUF stored at 8 bits or more, a GPU, a CPU without AVX-512 VNNI) runs unquantized in
 float32, as before. An explicit dtype decides an auto quant: float32 or float16 asks for the
 unquantized model.
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 
 AUTO = "auto"
 FOUR_BIT = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # the GGUF types w4a8's codes are exact on
+# GGUF types above 4 bits that the 8-bit kernel holds (exact for Q8_0 and Q5_0's 32-value blocks)
+UP_TO_EIGHT = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})
 _MATRICES = "attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down"
 _DECODER = re.compile(rf"blk\.\d+\.({_MATRICES})\.weight")  # GGUF names of decoder matrices
 
@@ -67,7 +73,8 @@ def _auto_quant(
         return "none", "not a GGUF file: its weights as stored"
     decoder = [t for name, t in storage.items() if _DECODER.fullmatch(name)]
     four = sum(t in FOUR_BIT for t in decoder)
-    if not decoder or 2 * four < len(decoder):
+    mixed = four > 0 and all(t in FOUR_BIT | UP_TO_EIGHT for t in decoder)
+    if not decoder or (2 * four < len(decoder) and not mixed):
         return "none", "a GGUF stored above 4 bits"
     if dtype not in (AUTO, "bfloat16"):
         return "none", f"--dtype {dtype} asks for the unquantized model"
@@ -77,6 +84,8 @@ def _auto_quant(
     if missing is not None:
         return "none", f"the w4a8 kernel cannot run here ({missing})"
     head = storage.get("output.weight", storage.get("token_embd.weight"))
+    if 2 * four < len(decoder):
+        return "w4a8-mixed", f"the GGUF's matrices at their widths (4 or 8 bits), head {head} at 8"
     if head in FOUR_BIT:
         return "w4a8-all", "the GGUF's 4-bit weights, 4-bit output head"
     return "w4a8", f"the GGUF's 4-bit weights, output head {head} at 8 bits"

@@ -73,7 +73,7 @@ consistent with one-token decode steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TypeVar
 
 import torch
@@ -82,7 +82,7 @@ from torch import nn
 
 from eaglespec.errors import InvalidRequestError
 
-QUANT_MODES = ("none", "int8", "int4", "int4-all", "w4a8", "w4a8-all")
+QUANT_MODES = ("none", "int8", "int4", "int4-all", "w4a8", "w4a8-all", "w4a8-mixed")
 KERNEL_DTYPE = torch.bfloat16  # the one activation dtype the CPU int8 kernel vectorises
 KERNEL_MAX_ROWS = 64  # above this many rows, dequantize + dense fp32 is faster (measured, M=64)
 K_MULTIPLE = 16  # the AVX-512 kernel's step over K
@@ -390,6 +390,8 @@ _LAYERS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear],
     "int4-all": (Int4Linear.from_linear, _int4_if_it_fits),
     "w4a8": (_w4a8, _w8a8),
     "w4a8-all": (_w4a8, _w4a8),
+    # each decoder matrix at its stored width (quantize_model's `wide`), the head at 8 bits
+    "w4a8-mixed": (_w4a8, _w8a8),
 }
 HEAD_NAME = "lm_head"
 
@@ -397,7 +399,7 @@ HEAD_NAME = "lm_head"
 M = TypeVar("M", bound=nn.Module)
 
 
-def quantize_model(model: M, mode: str) -> M:
+def quantize_model(model: M, mode: str, wide: Collection[str] = ()) -> M:
     """Replace every `nn.Linear` of `model` in place by a quantized layer; return `model`.
 
     In a `Transformer` these are each layer's wqkv, wo, w13, w2 and the lm_head (121 layers for
@@ -407,6 +409,9 @@ def quantize_model(model: M, mode: str) -> M:
     quantized once and shared again. mode "none" returns the model untouched; "int8" makes every
     layer int8; "int4" makes every layer int4 except the output head (`lm_head`), which is int8;
     "int4-all" makes the head int4 too (int8 if its vocabulary is not a multiple of 16).
+    "w4a8-mixed" is w4a8 but for the layers named in `wide` (module paths such as
+    "layers.0.attn.wqkv"), which go through the 8-bit kernel as the head does: a GGUF's matrices
+    stored above 4 bits (loader.wide_matrices), so none runs at fewer bits than its file holds.
     """
     check_quant_mode(mode)
     if mode == "none":
@@ -415,14 +420,17 @@ def quantize_model(model: M, mode: str) -> M:
     replaced: dict[int, nn.Module] = {}  # id(old Linear) -> its quantized layer
     # `_modules` rather than `named_children()`, which hides a second name for the same child.
     targets = [
-        (parent, child_name, child)
-        for parent in model.modules()
+        (parent, f"{path}.{child_name}".lstrip("."), child_name, child)
+        for path, parent in model.named_modules()
         for child_name, child in parent._modules.items()
         if isinstance(child, nn.Linear)
     ]
-    for parent, child_name, child in targets:
+    if mode != "w4a8-mixed" and wide:
+        raise ValueError(f"quant {mode}: `wide` is w4a8-mixed's")
+    for parent, name, child_name, child in targets:
         if id(child) not in replaced:
-            make = make_head if child_name == HEAD_NAME else make_body
+            head = child_name == HEAD_NAME or name in wide
+            make = make_head if head else make_body
             replaced[id(child)] = make(child)
         setattr(parent, child_name, replaced[id(child)])
     return model
