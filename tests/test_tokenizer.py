@@ -319,6 +319,26 @@ def test_spm_chat_template(spm: Tokenizer) -> None:
     assert spm.apply_chat_template(USER_CHAT).endswith("<|im_start|>assistant\n")
 
 
+def test_turns_through_the_template_or_as_running_text(spm_meta: dict[str, Any]) -> None:
+    """Tokenizer.encode_turns: the chat template where there is one; a base model's file has
+    none and its turns and answers become running text (bench and training data alike)."""
+    chat = Tokenizer.from_gguf_metadata(spm_meta)
+    turns, answers = ["hi there", "and now"], ["hello"]
+    messages = [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "and now"},
+    ]
+    assert chat.encode_turns(turns, answers) == chat.encode_chat(messages)
+    base = Tokenizer.from_gguf_metadata(
+        {k: v for k, v in spm_meta.items() if k != "tokenizer.chat_template"}
+    )
+    assert base.encode_turns(turns, answers) == base.encode("hi there\nhello\n\nand now\n")
+    assert base.encode_turns(["hi there"], []) == base.encode("hi there\n")
+    with pytest.raises(ValueError, match="2 turns need 1 answers"):
+        base.encode_turns(turns, [])
+
+
 def _llama2c_reference(text: str, vocab: list[str], scores: list[float]) -> list[int]:
     """llama2.c run.c `encode` (no BOS): dummy-prefix space, code points or their bytes, then
     repeatedly merge the adjacent pair whose concatenation is the best-scoring token."""

@@ -11,6 +11,7 @@ import torch
 
 from eaglespec.draft.config import default_capture
 from eaglespec.draft.loader import load_eagle3, random_eagle3, save_eagle3
+from eaglespec.errors import InvalidRequestError
 from eaglespec.train.regen import Sample
 from eaglespec.train.synth import (
     COMPLETE,
@@ -34,6 +35,8 @@ class WordTokenizer:
     ord(c) % V, the template is ChatML-like with a system turn."""
 
     eos_ids = (EOS,)
+    chat_template = "ChatML-like (apply_chat_template)"
+    name = "word-tokenizer"
 
     def apply_chat_template(self, messages, *, add_generation_prompt=True):  # type: ignore[no-untyped-def]
         text = "<sys>be brief<end>"
@@ -259,3 +262,10 @@ def test_pipeline_answers_summaries_and_completions_of_its_own_answers(
     assert keys[0] == seeded.key and len(keys) == 3 and report["regen"]["new"] == 2
     assert sum(":complete" in k for k in keys) == 2
     assert report["regen"]["skipped_long"] == 1  # the summary of a 200-token answer
+
+
+def test_a_base_model_without_a_chat_template_is_refused(tmp_path: Path) -> None:
+    tok = WordTokenizer()
+    tok.chat_template = None  # type: ignore[assignment]
+    with pytest.raises(InvalidRequestError, match="no chat template to write user turns in"):
+        synthesize_prompts(tiny_target(0, vocab=V), tok, tmp_path / "s.jsonl", SynthConfig(4))  # type: ignore[arg-type]

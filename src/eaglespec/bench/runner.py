@@ -18,7 +18,6 @@ from eaglespec.bench.lineup import Method
 from eaglespec.bench.memory import MemoryMeter
 from eaglespec.bench.questions import Question
 from eaglespec.config import SamplingParams
-from eaglespec.errors import InvalidRequestError
 from eaglespec.model.loader import LoadedModel
 from eaglespec.requests import RequestOutput
 from eaglespec.tokenizer import Tokenizer
@@ -55,17 +54,9 @@ QuestionDone = Callable[[int, list[Generation]], None]  # (question index, its g
 def conversation_ids(
     tokenizer: Tokenizer, turns: Sequence[str], answers: Sequence[str]
 ) -> list[int]:
-    """Chat ids of user `turns` with `answers` to all but the last, ready for the next answer."""
-    if not tokenizer.chat_template:
-        raise InvalidRequestError(
-            f"{tokenizer.name}: the model has no chat template; benchmark questions are chat turns"
-        )
-    messages: list[dict[str, str]] = []
-    for turn, answer in zip(turns, [*answers, None], strict=True):
-        messages.append({"role": "user", "content": turn})
-        if answer is not None:
-            messages.append({"role": "assistant", "content": answer})
-    return tokenizer.encode_chat(messages)
+    """Ids of user `turns` with `answers` to all but the last, ready for the next answer: the
+    chat template, or running text for a base model (Tokenizer.encode_turns)."""
+    return tokenizer.encode_turns(turns, answers)
 
 
 def warm_up(

@@ -25,6 +25,10 @@ from eaglespec.tokenizer.hf import as_id_list, hf_chat_template, read_json, toke
 from eaglespec.tokenizer.llama2c import llama2c_metadata
 from eaglespec.tokenizer.stream import StreamDecoder
 
+# A base model's exchange as running text (Tokenizer.encode_turns): the turn, its answer, a blank
+# line before the next.
+RAW_TURN = "{turn}\n{answer}\n\n"
+
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special-token facts and chat template of one model.
@@ -203,3 +207,22 @@ class Tokenizer:
         (transformers' `apply_chat_template(tokenize=True)`)."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special=False)
+
+    def encode_turns(self, turns: Sequence[str], answers: Sequence[str]) -> list[int]:
+        """Ids of user `turns` with the model's `answers` to all but the last, ready for the next
+        answer: through the chat template where the model has one; a base model (none, such as
+        Gemma-3-270M) sees them as running text, each turn on its own line and each exchange a
+        paragraph (RAW_TURN), BOS as the model asks."""
+        if len(answers) != len(turns) - 1:
+            raise ValueError(
+                f"{len(turns)} turns need {len(turns) - 1} answers, got {len(answers)}"
+            )
+        if not self.chat_template:
+            done = [RAW_TURN.format(turn=t, answer=a) for t, a in zip(turns, answers, strict=False)]
+            return self.encode("".join(done) + f"{turns[-1]}\n")
+        messages: list[dict[str, str]] = []
+        for turn, answer in zip(turns, [*answers, None], strict=True):
+            messages.append({"role": "user", "content": turn})
+            if answer is not None:
+                messages.append({"role": "assistant", "content": answer})
+        return self.encode_chat(messages)

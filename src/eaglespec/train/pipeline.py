@@ -132,6 +132,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         summary = regenerate(
             target.model, target.tokenizer, convs, responses, cfg.regen, on_batch=meter.add
         )
+        extra, completions = [], []
         if cfg.summaries or cfg.completions:
             answers = read_samples(responses)
             extra = summary_prompts(
@@ -146,6 +147,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
                 target.tokenizer, answers, cfg.completions, cfg.regen.seed
             )
             log(f"regen: {len(completions)} completions of the target's own code")
+        if extra or completions:  # none where no answer is long enough or holds a function
             uncapped = replace(cfg.regen, max_samples=None)
             first = summary
             summary = regenerate(

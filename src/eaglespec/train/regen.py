@@ -151,16 +151,15 @@ def count_turns(convs: Sequence[Conversation]) -> int:
 def _context(
     tokenizer: Tokenizer, conv: Conversation, turn: int, done: dict[str, Sample]
 ) -> list[int] | None:
-    """Chat ids of user turns 0..turn with the target's own answers to turns 0..turn-1."""
-    messages: list[dict[str, str]] = []
+    """Ids of user turns 0..turn with the target's own answers to turns 0..turn-1 (the chat
+    template, or running text for a base model: Tokenizer.encode_turns)."""
+    answers: list[str] = []
     for i in range(turn):
         prev = done.get(f"{conv.source}#{i}")
         if prev is None:
             return None
-        messages.append({"role": "user", "content": conv.turns[i]})
-        messages.append({"role": "assistant", "content": tokenizer.decode(prev.response)})
-    messages.append({"role": "user", "content": conv.turns[turn]})
-    return tokenizer.encode_chat(messages)
+        answers.append(tokenizer.decode(prev.response))
+    return tokenizer.encode_turns(conv.turns[: turn + 1], answers)
 
 
 def _batches(

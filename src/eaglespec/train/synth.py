@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglespec.config import SamplingParams
+from eaglespec.errors import InvalidRequestError
 from eaglespec.model.llama import Transformer
 from eaglespec.tokenizer import Tokenizer
 from eaglespec.train.answering import Job, answer_all
@@ -74,6 +75,11 @@ def synthesize_prompts(
     Gives up after drawing 4x `cfg.prompts` samples this call (a model that rarely ends a user
     turn by itself), returning what it has. Draws are decoded `cfg.batch` at a time in one
     continuously refilled batch (answering.py) and kept in the order they finish."""
+    if not tokenizer.chat_template:
+        raise InvalidRequestError(
+            f"--synth-prompts: {tokenizer.name} has no chat template to write user turns in "
+            "(a base model); give it prompts from --data only"
+        )
     drop_partial_tail(path)  # a killed run's last, half-written line
     have = read_synth_prompts(path)
     seen = {c.turns[0] for c in have}
