@@ -66,6 +66,20 @@ VARIANTS = {
             },
         },
     ),
+    # the larger Gemma 3s' layout: linear RoPE scaling on the global layers only, the local
+    # base given as rope_local_base_freq (transformers 4.x keys), two global layers
+    "gemma3-scaled": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "sliding_window_pattern": 2,
+            "rope_theta": 500_000.0,
+            "rope_local_base_freq": 20_000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        },
+    ),
 }
 
 
