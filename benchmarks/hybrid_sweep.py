@@ -8,7 +8,8 @@ with the shipped head; greedy, and every output is checked against plain's.
 
 A configuration is CHAIN:LOOKUP[:MIN_NGRAM[:MAX_NGRAM]] (LOOKUP 0: the head alone; n-grams of
 MIN .. MAX tokens, default 2 .. 3), or tree:LOOKUP[...] for the 4,4,16 tree, tree=D,K,N:LOOKUP[...]
-for another. Prints one row per
+for another; lookup:N is prompt lookup alone (N tokens a round, no head). --draft takes a head
+folder other than the shipped one. Prints one row per
 configuration: tokens a round (the bonus included) and speed over plain, over all turns and per
 file.
 """
@@ -28,6 +29,7 @@ from eaglespec.bench.runner import RunSettings, run_benchmark
 from eaglespec.config import TreeConfig
 from eaglespec.draft.hybrid import HybridProposer
 from eaglespec.draft.loader import load_eagle3
+from eaglespec.draft.lookup import PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.heads import packaged_head
 from eaglespec.model.loader import load_model
@@ -39,6 +41,8 @@ TREE = TreeConfig(depth=4, top_k=4, num_nodes=16)
 
 def method(label: str, head: Eagle3Proposer) -> BenchMethod:
     parts = label.split(":")
+    if parts[0] == "lookup":  # prompt lookup alone (no head), N draft tokens a round
+        return BenchMethod(label, PromptLookupProposer(), int(parts[1]), None, label)
     tree = None
     if parts[0].startswith("tree"):
         shape = parts[0].removeprefix("tree").lstrip("=")
@@ -61,11 +65,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--configs", nargs="+", default=["2:0", "2:4:2"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", help="EAGLE-3 head folder (default: the model's shipped head)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     target = load_model(resolve_model(args.model), dtype="auto", quant="auto")
-    loaded = load_eagle3(str(packaged_head(args.model)), target.model)
+    loaded = load_eagle3(str(args.draft or packaged_head(args.model)), target.model)
     quantize_model(loaded.head, target.precision.quant)
     head = Eagle3Proposer(loaded.head, loaded.capture)
     plain = BenchMethod("plain", None, 0, None, "plain")  # type: ignore[arg-type]

@@ -1,20 +1,25 @@
 """Gemma-3-270M (the registry's Q4_K_M GGUF) at the commands' default precision: w4a8-mixed in
 bf16, each decoder matrix through the kernel of its stored width. Greedy speculation (a random
-EAGLE-3 head, prompt lookup, an oracle) equals plain greedy decoding token for token, including
-past the 512-token sliding window; a batch's rows equal their solo runs. Exactness against
-transformers in fp32 is tests/test_real_models.py's."""
+EAGLE-3 head, prompt lookup, an oracle, the shipped head in a chain and a tree with lookup
+grafted in as the commands do) equals plain greedy decoding token for token, including past the
+512-token sliding window; a batch's rows equal their solo runs. Exactness against transformers
+in fp32 is tests/test_real_models.py's."""
 
 from __future__ import annotations
 
 import pytest
 
-from eaglespec import LLM, SamplingParams
-from eaglespec.draft.loader import random_eagle3
+from eaglespec import LLM, SamplingParams, TreeConfig
+from eaglespec.draft.hybrid import HybridProposer
+from eaglespec.draft.loader import load_eagle3, random_eagle3
 from eaglespec.draft.lookup import PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
+from eaglespec.heads import packaged_head
+from eaglespec.methods import DEFAULT_LOOKUP_TOKENS
 from eaglespec.model import w4a8
+from eaglespec.model.quant import quantize_model
 from eaglespec.registry import pull
 from eaglespec.requests import collect_outputs
 from oracle import OracleProposer
@@ -92,3 +97,29 @@ def test_greedy_speculation_equals_plain(llm: LLM, plain: list[list[int]], kind:
     assert [o.token_ids for o in spec] == plain
     if kind == "oracle":
         assert all(o.stats.mean_accept_length > 3.0 for o in spec)
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(depth=4, top_k=4, num_nodes=16)])
+def test_shipped_head_is_small_lossless_and_accepts(
+    llm: LLM, plain: list[list[int]], tree: TreeConfig | None
+) -> None:
+    """heads/gemma3-270m: within the 25 MB budget, shares the target's embedding, quantized as
+    the commands quantize a head; with lookup grafted in, greedy output equals plain decoding's
+    and drafts land (a random head stays at about 1.0 token a round)."""
+    folder = packaged_head("gemma3-270m")
+    assert folder is not None
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 25e6
+    loaded = load_eagle3(folder, llm.model)
+    assert loaded.report.shared == ("embed_tokens",)
+    head = Eagle3Proposer(quantize_model(loaded.head, llm.quant), loaded.capture)
+    proposer = HybridProposer(head, DEFAULT_LOOKUP_TOKENS, max_ngram=3, min_ngram=2)
+    prompts = _prompts(llm)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)
+    spec = collect_outputs(
+        generate_speculative(
+            llm.model, proposer, llm.tokenizer, prompts, params, num_draft=2, tree=tree
+        )
+    )
+    assert [o.token_ids for o in spec] == plain
+    rounds = sum(o.stats.rounds for o in spec)
+    assert (sum(o.stats.accepted_tokens for o in spec) + rounds) / rounds > 1.3
