@@ -104,22 +104,24 @@ def test_shipped_head_is_small_lossless_and_accepts(
     llm: LLM, plain: list[list[int]], tree: TreeConfig | None
 ) -> None:
     """heads/gemma3-270m: within the 25 MB budget, shares the target's embedding, quantized as
-    the commands quantize a head; with lookup grafted in, greedy output equals plain decoding's
-    and drafts land (a random head stays at about 1.0 token a round)."""
+    the commands quantize a head; alone and with lookup grafted in (the commands' default),
+    greedy output equals plain decoding's, and the head alone lands drafts (measured 1.16 tokens
+    a round in a chain of 2, 1.4 in the tree, on these prompts; a random head about 1.0)."""
     folder = packaged_head("gemma3-270m")
     assert folder is not None
     assert sum(f.stat().st_size for f in folder.iterdir()) < 25e6
     loaded = load_eagle3(folder, llm.model)
     assert loaded.report.shared == ("embed_tokens",)
     head = Eagle3Proposer(quantize_model(loaded.head, llm.quant), loaded.capture)
-    proposer = HybridProposer(head, DEFAULT_LOOKUP_TOKENS, max_ngram=3, min_ngram=2)
     prompts = _prompts(llm)
     params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)
-    spec = collect_outputs(
-        generate_speculative(
-            llm.model, proposer, llm.tokenizer, prompts, params, num_draft=2, tree=tree
+    for proposer in (head, HybridProposer(head, DEFAULT_LOOKUP_TOKENS)):
+        spec = collect_outputs(
+            generate_speculative(
+                llm.model, proposer, llm.tokenizer, prompts, params, num_draft=2, tree=tree
+            )
         )
-    )
-    assert [o.token_ids for o in spec] == plain
-    rounds = sum(o.stats.rounds for o in spec)
-    assert (sum(o.stats.accepted_tokens for o in spec) + rounds) / rounds > 1.3
+        assert [o.token_ids for o in spec] == plain
+        if proposer is head:
+            rounds = sum(o.stats.rounds for o in spec)
+            assert (sum(o.stats.accepted_tokens for o in spec) + rounds) / rounds > 1.1
