@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from eaglespec.config import SamplingParams
+from eaglespec.config import ModelConfig, SamplingParams
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
@@ -80,6 +80,54 @@ def test_the_fused_layer_has_the_python_forwards_bits(
     block, x = model.layers[0], torch.zeros(1, 1, 128, dtype=dtype)
     plan = model.new_cache(1, 4).plan(1)
     assert cpu_layer.fits(block, x, model.new_cache(1, 4).k_layers[0], plan)
+    with torch.inference_mode():
+        _assert_fused_is_python(model, monkeypatch)
+
+
+def _gemma_target(dtype: torch.dtype) -> Transformer:
+    """A tiny Gemma 3 (SandwichBlock layers, q/k norms, GELU-tanh, a query scale of its own, a
+    window of 4 keys on two of three layers) in w4a8-mixed: some matrices 8-bit, the rest 4."""
+    cfg = ModelConfig(
+        family="gemma3",
+        vocab_size=V,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position=64,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        sliding_window=4,
+        sliding_layers=(True, False, True),
+        rope_local_theta=10_000.0,
+        sandwich_norms=True,
+        mlp_act="gelu_tanh",
+        embed_scale=True,
+        query_scale=0.2,
+    )
+    torch.manual_seed(4)
+    model = Transformer(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    wide = {"layers.0.attn.wqkv", "layers.1.mlp.w2", "layers.2.mlp.w13", "layers.2.attn.wo"}
+    return quantize_model(model.to(dtype), "w4a8-mixed", wide)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_gemma_layer_has_the_python_forwards_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma's SandwichBlock through the `sandwich` op, its sliding layers' masks and RoPE
+    included, against its Python forward: the same logits, states and cache bits."""
+    model = _gemma_target(dtype)
+    args = cpu_layer.block_args(model.layers[0])
+    assert args is not None and args.sandwich and args.q_ratio != 1.0
+    assert args.matrices[1] == 8 and args.matrices[4] == 4  # wqkv 8-bit, wo 4-bit
     with torch.inference_mode():
         _assert_fused_is_python(model, monkeypatch)
 

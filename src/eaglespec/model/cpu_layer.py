@@ -32,7 +32,7 @@ from eaglespec.model.extension import build
 from eaglespec.model.layers import kernel_takes
 
 if TYPE_CHECKING:
-    from eaglespec.model.llama import Block
+    from eaglespec.model.llama import Block, SandwichBlock
 
 
 @functools.cache
@@ -74,6 +74,10 @@ class LayerArgs:
     num_heads: int
     fused: bool  # the modules are of the kinds the op takes (module doc)
     sources: tuple[tuple[dict[str, object], str, object], ...]
+    # Gemma's SandwichBlock (the `sandwich` op): norms are its six weights then eps, matrices
+    # (weight, bits, N) with bits 4 or 8; q_ratio its query scale over D ** -0.5
+    sandwich: bool = False
+    q_ratio: float = 1.0
 
     def current(self) -> bool:
         for where, name, value in self.sources:  # noqa: SIM110 (a loop: faster than all(genexpr))
@@ -127,12 +131,67 @@ def _matrices(
     return matrices, _read(attn, "cfg", sources).num_heads, True
 
 
-def block_args(block: Block) -> LayerArgs | None:
+def block_args(block: Block | SandwichBlock) -> LayerArgs | None:
     """The fused op's arguments for a decoder layer whose forward `step_fits`, or None where its
     modules are of kinds the op does not take. The one place that decides a decoder layer's
-    path: Transformer.body and Block.forward both ask it."""
-    args = _target_args(block)
+    path: Transformer.body, Block.forward and SandwichBlock.forward ask it."""
+    sandwich = "post_attn_norm" in block._modules
+    args = _sandwich_args(block) if sandwich else _target_args(block)
     return args if args.fused else None
+
+
+_BITS = {"W4A8Linear": 4, "W8A8Linear": 8}
+
+
+def _sandwich_args(block: nn.Module) -> LayerArgs:
+    def build(sources: Sources) -> LayerArgs:
+        attn, mlp = _read(block, "attn", sources), _read(block, "mlp", sources)
+        names = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+        attn_norm, post_attn, mlp_norm, post_mlp = (_read(block, n, sources) for n in names)
+        q_norm, k_norm = _read(attn, "q_norm", sources), _read(attn, "k_norm", sources)
+        weights = [
+            _read(norm, "weight", sources)
+            for norm in (attn_norm, q_norm, k_norm, post_attn, mlp_norm, post_mlp)
+        ]
+        eps = {_read(n, "eps", sources) for n in (attn_norm, q_norm, k_norm, post_attn)}
+        eps |= {_read(n, "eps", sources) for n in (mlp_norm, post_mlp)}
+        linears = [_read(attn, "wqkv", sources), _read(attn, "wo", sources)]
+        linears += [_read(mlp, "w13", sources), _read(mlp, "w2", sources)]
+        bits = [_BITS.get(type(m).__name__, 0) for m in linears]
+        fused = (
+            all(bits)
+            and all(_read(m, "bias", sources) is None for m in linears)
+            and len(eps) == 1
+            and _read(mlp, "act", sources) == "gelu_tanh"
+        )
+        if not fused:
+            return LayerArgs((), (), 0, False, tuple(sources))
+        wqkv, wo, w13, w2 = linears
+        matrices = (
+            _read(wqkv, "weight", sources),
+            bits[0],
+            _read(wqkv, "out_features", sources),
+            _read(wo, "weight", sources),
+            bits[1],
+            _read(w13, "weight", sources),
+            bits[2],
+            _read(w13, "out_features", sources),
+            _read(w2, "weight", sources),
+            bits[3],
+        )
+        ratio = _read(attn, "q_ratio", sources)
+        heads = _read(attn, "cfg", sources).num_heads
+        return LayerArgs(
+            (*weights, eps.pop()),
+            matrices,
+            heads,
+            True,
+            tuple(sources),
+            sandwich=True,
+            q_ratio=1.0 if ratio is None else ratio,
+        )
+
+    return _cached(block, build)
 
 
 def _target_args(block: Block) -> LayerArgs:
@@ -200,10 +259,25 @@ def forward(
     v_cache: torch.Tensor,
     plan: CachePlan,
 ) -> torch.Tensor:
-    """Block.forward in one call -> (B, T, C)."""
-    out: torch.Tensor = torch.ops.eaglespec_layer.forward(
-        x, *_op_args(args, rope, k_cache, v_cache, plan)
-    )
+    """Block.forward (or SandwichBlock.forward) in one call -> (B, T, C)."""
+    if args.sandwich:
+        weights, eps = list(args.norms[:-1]), args.norms[-1]
+        out: torch.Tensor = torch.ops.eaglespec_layer.sandwich(
+            x,
+            weights,
+            eps,
+            *args.matrices,
+            *rope,
+            k_cache,
+            v_cache,
+            plan.slots,
+            plan.num_keys,
+            plan.mask,
+            args.num_heads,
+            args.q_ratio,
+        )
+        return out
+    out = torch.ops.eaglespec_layer.forward(x, *_op_args(args, rope, k_cache, v_cache, plan))
     return out
 
 

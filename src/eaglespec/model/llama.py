@@ -118,8 +118,8 @@ class Block(nn.Module):
 class SandwichBlock(nn.Module):
     """Gemma 3's layer: Block's, with each sublayer's output normed again before its residual add
     (transformers' post_attention_layernorm and post_feedforward_layernorm) and the MLP's own
-    input norm (pre_feedforward_layernorm, here mlp_norm). Python forward only: the fused CPU
-    layer (cpu_layer.py) is Block's."""
+    input norm (pre_feedforward_layernorm, here mlp_norm). Eager on CPU with 4- and 8-bit
+    matrices (w4a8-mixed) the same ops run in one C++ call (cpu_layer.py, the `sandwich` op)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -138,6 +138,9 @@ class SandwichBlock(nn.Module):
         v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
+        fused = cpu_layer.block_args(self) if cpu_layer.step_fits(x, k_cache, plan) else None
+        if fused is not None:
+            return cpu_layer.forward(fused, x, rope, k_cache, v_cache, plan)
         x = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope, k_cache, v_cache, plan))
         y: torch.Tensor = x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
         return y
@@ -247,16 +250,15 @@ class Transformer(nn.Module):
         # A dict keyed by the boundary ids breaks torch.compile's whole-body graph (dynamo
         # treats the ints of `capture` as symbolic and the dict lookup then misses).
         boundary = [x]
-        # asked once, not per layer; Gemma's SandwichBlock has no fused path
-        fusable = not cfg.sandwich_norms and cpu_layer.step_fits(x, k_layers[0], plan)
+        fusable = cpu_layer.step_fits(x, k_layers[0], plan)  # asked once, not per layer
         for i, block in enumerate(self.layers):
+            sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[i]
+            r, p = (local_rope, local_plan) if sliding else (rope, plan)
             fused = cpu_layer.block_args(block) if fusable else None
-            if fused is not None:  # Block.forward's fused path without the module call
-                x = cpu_layer.forward(fused, x, rope, k_layers[i], v_layers[i], plan)
-            elif cfg.sliding_layers and cfg.sliding_layers[i]:
-                x = block(x, local_rope, k_layers[i], v_layers[i], local_plan)
+            if fused is not None:  # the block's fused path without the module call
+                x = cpu_layer.forward(fused, x, r, k_layers[i], v_layers[i], p)
             else:
-                x = block(x, rope, k_layers[i], v_layers[i], plan)
+                x = block(x, r, k_layers[i], v_layers[i], p)
             boundary.append(x)
         if logit_index is not None:
             rows = torch.arange(B, device=x.device)[:, None]

@@ -27,6 +27,7 @@ using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 // The other eaglespec ops, looked up once (their libraries are loaded before this one is used).
 struct Ops {
   c10::TypedOperatorHandle<Linear> linear;
+  c10::TypedOperatorHandle<Linear> linear8;
   c10::TypedOperatorHandle<Norm> rms_norm;
   c10::TypedOperatorHandle<RopeWrite> rope_write;
   c10::TypedOperatorHandle<Attend> attend;
@@ -35,6 +36,7 @@ struct Ops {
 const Ops& ops() {
   static const Ops o{
       c10::Dispatcher::singleton().findSchemaOrThrow("eaglespec_w4a8::linear", "").typed<Linear>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("eaglespec_w4a8::linear8", "").typed<Linear>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("eaglespec_rowops::rms_norm", "").typed<Norm>(),
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("eaglespec_rowops::rope_write", "")
@@ -106,6 +108,51 @@ at::Tensor layer_forward(const at::Tensor& x, const at::Tensor& attn_norm, const
                     n_13, w2, b2, cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
 }
 
+// Gemma 3's layer (llama.py's SandwichBlock with its Attention and GELU-tanh GatedMLP), each
+// matrix 4-bit (bits 4: linear) or 8-bit (bits 8: linear8) as w4a8-mixed stored it, no biases.
+// norms: attn, q, k, post-attention, mlp (pre-feedforward), post-mlp weights.
+//   h = rms_norm(x); q, k, v = w(h); q = rms_norm(q) [* q_ratio]; k = rms_norm(k)
+//   x = x + rms_norm(wo(attend(rope_write(q, k, v))))
+//   x = x + rms_norm(w2(gelu_tanh(g) * u)), g, u = w13(rms_norm(x))
+at::Tensor sandwich_forward(const at::Tensor& x, at::TensorList norms, double eps,
+                            const at::Tensor& wqkv, int64_t bits_qkv, int64_t n_qkv,
+                            const at::Tensor& wo, int64_t bits_o, const at::Tensor& w13,
+                            int64_t bits_13, int64_t n_13, const at::Tensor& w2, int64_t bits_2,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                            at::Tensor v_cache, const at::Tensor& slots, int64_t num_keys,
+                            const std::optional<at::Tensor>& mask, int64_t num_heads,
+                            double q_ratio) {
+  const Ops& o = ops();
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), H = num_heads;
+  TORCH_CHECK(norms.size() == 6, "sandwich layer: 6 norms, got ", norms.size());
+  TORCH_CHECK(n_qkv == (H + 2 * Hkv) * D, "sandwich layer: qkv outputs ", n_qkv, " for ", H,
+              " + 2 x ", Hkv, " heads of ", D);
+  auto linear = [&](const at::Tensor& x2, const at::Tensor& w, int64_t bits, int64_t N) {
+    TORCH_CHECK(bits == 4 || bits == 8, "sandwich layer: 4- or 8-bit matrices, got ", bits);
+    return bits == 4 ? o.linear.call(x2, w, N) : o.linear8.call(x2, w, N);
+  };
+  const at::Tensor h = o.rms_norm.call(x, norms[0], eps);
+  const at::Tensor qkv =
+      linear(h.reshape({B * T, C}), wqkv, bits_qkv, n_qkv).view({B, T, H + 2 * Hkv, D});
+  at::Tensor q = o.rms_norm.call(qkv.narrow(2, 0, H), norms[1], eps);
+  if (q_ratio != 1.0) q = q * q_ratio;
+  const at::Tensor k = o.rms_norm.call(qkv.narrow(2, H, Hkv), norms[2], eps);
+  const at::Tensor normed = at::cat({q, k, qkv.narrow(2, H + Hkv, Hkv)}, 2);
+  const at::Tensor qr =
+      o.rope_write.call(normed, cos, sin, k_cache, v_cache, slots).transpose(1, 2);
+  const at::Tensor keys = k_cache.narrow(2, 0, num_keys), values = v_cache.narrow(2, 0, num_keys);
+  const at::Tensor a = o.attend.call(qr, keys, values, mask, std::pow(double(D), -0.5));
+  const at::Tensor attn = linear(a.transpose(1, 2).reshape({B * T, H * D}), wo, bits_o, C);
+  const at::Tensor x1 = x + o.rms_norm.call(attn.view({B, T, C}), norms[3], eps);
+  const at::Tensor h2 = o.rms_norm.call(x1, norms[4], eps);
+  const at::Tensor gu = linear(h2.reshape({B * T, C}), w13, bits_13, n_13);
+  const int64_t I = n_13 / 2;
+  const at::Tensor act = at::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I);
+  const at::Tensor d = linear(act, w2, bits_2, C);
+  return x1 + o.rms_norm.call(d.view({B, T, C}), norms[5], eps);
+}
+
 TORCH_LIBRARY(eaglespec_layer, m) {
   m.def(
       "forward(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor wqkv, Tensor? bqkv, "
@@ -117,12 +164,18 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "Tensor? bqkv, int n_qkv, Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, "
       "Tensor w2, Tensor? b2, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slots, int num_keys, Tensor? mask, int num_heads) -> Tensor");
+  m.def(
+      "sandwich(Tensor x, Tensor[] norms, float eps, Tensor wqkv, int bits_qkv, int n_qkv, "
+      "Tensor wo, int bits_o, Tensor w13, int bits_13, int n_13, Tensor w2, int bits_2, "
+      "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+      "int num_keys, Tensor? mask, int num_heads, float q_ratio) -> Tensor");
   m.def("supported() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
   m.impl("forward", &layer_forward);
   m.impl("forward_from", &layer_from);
+  m.impl("sandwich", &sandwich_forward);
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CompositeExplicitAutograd, m) {
