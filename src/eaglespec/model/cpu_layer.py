@@ -13,7 +13,10 @@ Python forward's (tests/test_cpu_layer.py); only the Python goes. Measured (Smol
 Taken where every piece would be taken anyway: eager (compiled forwards are one graph already), no
 gradients, fp32 or bf16, any number of new tokens onto a cache (a CPU prefill carries its causal
 mask: cache.KVCache.plan), no q/k norm (Qwen3 keeps the Python forward), the four matrices
-`W4A8Linear`.
+`W4A8Linear`. Gemma 3's SandwichBlock has an op of its own (`sandwich`: its four norms, q/k norms
+and query scale, GELU-tanh, each matrix `W4A8Linear` or `W8A8Linear` as w4a8-mixed stored it, no
+biases); measured on gemma3-270m, a decode step 16.8 -> 14.3 ms and plain decoding 60 -> 75-78
+tok/s (BENCHMARKS.md, session 21).
 """
 
 from __future__ import annotations
