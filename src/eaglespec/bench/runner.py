@@ -20,7 +20,6 @@ from eaglespec.bench.questions import Question
 from eaglespec.config import SamplingParams
 from eaglespec.model.loader import LoadedModel
 from eaglespec.requests import RequestOutput
-from eaglespec.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +50,10 @@ class Generation:
 QuestionDone = Callable[[int, list[Generation]], None]  # (question index, its generations)
 
 
-def conversation_ids(
-    tokenizer: Tokenizer, turns: Sequence[str], answers: Sequence[str]
-) -> list[int]:
-    """Ids of user `turns` with `answers` to all but the last, ready for the next answer: the
-    chat template, or running text for a base model (Tokenizer.encode_turns)."""
-    return tokenizer.encode_turns(turns, answers)
-
-
 def warm_up(
     target: LoadedModel, methods: Sequence[Method], question: Question, settings: RunSettings
 ) -> None:
-    prompt = conversation_ids(target.tokenizer, question.turns[:1], [])
+    prompt = target.tokenizer.encode_turns(question.turns[:1], [])
     params = settings.params(min(settings.max_tokens, settings.warmup_tokens))
     for method in methods:
         method.generate(target, prompt, params)
@@ -80,7 +71,7 @@ def run_conversation(
     out: list[Generation] = []
     answers: list[str] = []
     for turn in range(len(question.turns)):
-        prompt = conversation_ids(target.tokenizer, question.turns[: turn + 1], answers)
+        prompt = target.tokenizer.encode_turns(question.turns[: turn + 1], answers)
         meter.reset()
         result = method.generate(target, prompt, settings.params())
         out.append(Generation(method.name, index, turn, prompt, result, meter.peak_bytes()))

@@ -77,8 +77,8 @@ class LayerArgs:
     num_heads: int
     fused: bool  # the modules are of the kinds the op takes (module doc)
     sources: tuple[tuple[dict[str, object], str, object], ...]
-    # Gemma's SandwichBlock (the `sandwich` op): norms are its six weights then eps, matrices
-    # (weight, bits, N) with bits 4 or 8; q_ratio its query scale over D ** -0.5
+    # Gemma's SandwichBlock (the `sandwich` op): norms are the list of its six weights and eps,
+    # matrices (weight, bits, N) with bits 4 or 8; q_ratio its query scale over D ** -0.5
     sandwich: bool = False
     q_ratio: float = 1.0
 
@@ -149,15 +149,15 @@ _BITS = {"W4A8Linear": 4, "W8A8Linear": 8}
 def _sandwich_args(block: nn.Module) -> LayerArgs:
     def build(sources: Sources) -> LayerArgs:
         attn, mlp = _read(block, "attn", sources), _read(block, "mlp", sources)
-        names = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
-        attn_norm, post_attn, mlp_norm, post_mlp = (_read(block, n, sources) for n in names)
-        q_norm, k_norm = _read(attn, "q_norm", sources), _read(attn, "k_norm", sources)
-        weights = [
-            _read(norm, "weight", sources)
-            for norm in (attn_norm, q_norm, k_norm, post_attn, mlp_norm, post_mlp)
+        # the op's order: attn, q, k, post-attention, mlp, post-mlp
+        norms = [
+            _read(block, "attn_norm", sources),
+            _read(attn, "q_norm", sources),
+            _read(attn, "k_norm", sources),
+            *(_read(block, n, sources) for n in ("post_attn_norm", "mlp_norm", "post_mlp_norm")),
         ]
-        eps = {_read(n, "eps", sources) for n in (attn_norm, q_norm, k_norm, post_attn)}
-        eps |= {_read(n, "eps", sources) for n in (mlp_norm, post_mlp)}
+        weights = [_read(norm, "weight", sources) for norm in norms]
+        eps = {_read(norm, "eps", sources) for norm in norms}
         linears = [_read(attn, "wqkv", sources), _read(attn, "wo", sources)]
         linears += [_read(mlp, "w13", sources), _read(mlp, "w2", sources)]
         bits = [_BITS.get(type(m).__name__, 0) for m in linears]
@@ -185,7 +185,7 @@ def _sandwich_args(block: nn.Module) -> LayerArgs:
         ratio = _read(attn, "q_ratio", sources)
         heads = _read(attn, "cfg", sources).num_heads
         return LayerArgs(
-            (*weights, eps.pop()),
+            (weights, eps.pop()),  # the op takes the weights as one list
             matrices,
             heads,
             True,
@@ -263,25 +263,26 @@ def forward(
     plan: CachePlan,
 ) -> torch.Tensor:
     """Block.forward (or SandwichBlock.forward) in one call -> (B, T, C)."""
+    rest = _op_args(args, rope, k_cache, v_cache, plan)
     if args.sandwich:
-        weights, eps = list(args.norms[:-1]), args.norms[-1]
-        out: torch.Tensor = torch.ops.eaglespec_layer.sandwich(
-            x,
-            weights,
-            eps,
-            *args.matrices,
-            *rope,
-            k_cache,
-            v_cache,
-            plan.slots,
-            plan.num_keys,
-            plan.mask,
-            args.num_heads,
-            args.q_ratio,
-        )
+        out: torch.Tensor = torch.ops.eaglespec_layer.sandwich(x, *rest, args.q_ratio)
         return out
-    out = torch.ops.eaglespec_layer.forward(x, *_op_args(args, rope, k_cache, v_cache, plan))
+    out = torch.ops.eaglespec_layer.forward(x, *rest)
     return out
+
+
+def fused_forward(
+    block: Block | SandwichBlock,
+    x: torch.Tensor,  # (B, T, C)
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin (B, T, 1, D)
+    k_cache: torch.Tensor,  # (B, Hkv, S, D) this layer's cache, written
+    v_cache: torch.Tensor,
+    plan: CachePlan,
+) -> torch.Tensor | None:
+    """The block's forward through the fused op where it takes it, else None (the caller runs
+    the Python forward): what Block.forward and SandwichBlock.forward both try first."""
+    args = block_args(block) if step_fits(x, k_cache, plan) else None
+    return None if args is None else forward(args, x, rope, k_cache, v_cache, plan)
 
 
 def forward_draft(
@@ -308,9 +309,9 @@ def _op_args(
     v_cache: torch.Tensor,
     plan: CachePlan,
 ) -> tuple[object, ...]:
-    """What both ops take after their inputs, in their order: the norms, the packed matrices
+    """What the ops take after their inputs, in their order: the norms, the packed matrices
     with biases and output sizes, RoPE, the caches, the plan's slots, key count and mask, the
-    head count."""
+    head count (`sandwich` then its query scale)."""
     return (
         *args.norms,
         *args.matrices,

@@ -107,9 +107,9 @@ class Block(nn.Module):
         v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
-        fused = cpu_layer.block_args(self) if cpu_layer.step_fits(x, k_cache, plan) else None
+        fused = cpu_layer.fused_forward(self, x, rope, k_cache, v_cache, plan)
         if fused is not None:  # eager w4a8 on CPU: the same ops in C++
-            return cpu_layer.forward(fused, x, rope, k_cache, v_cache, plan)
+            return fused
         x = x + self.attn(self.attn_norm(x), rope, k_cache, v_cache, plan)
         y: torch.Tensor = x + self.mlp(self.mlp_norm(x))
         return y
@@ -138,9 +138,9 @@ class SandwichBlock(nn.Module):
         v_cache: torch.Tensor,
         plan: CachePlan,
     ) -> torch.Tensor:
-        fused = cpu_layer.block_args(self) if cpu_layer.step_fits(x, k_cache, plan) else None
-        if fused is not None:
-            return cpu_layer.forward(fused, x, rope, k_cache, v_cache, plan)
+        fused = cpu_layer.fused_forward(self, x, rope, k_cache, v_cache, plan)
+        if fused is not None:  # eager w4a8(-mixed) on CPU: the same ops in C++
+            return fused
         x = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope, k_cache, v_cache, plan))
         y: torch.Tensor = x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
         return y
