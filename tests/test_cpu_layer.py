@@ -173,6 +173,7 @@ def test_the_fused_layer_reads_weights_replaced_after_a_forward(
     """The op's arguments are read once per layer and kept (cpu_layer.LayerArgs): a matrix, a
     norm weight or a size replaced after a forward must be what the next forward uses."""
     model, donor = _target(torch.bfloat16), _target(torch.bfloat16, bias=True)
+    block_args = cpu_layer.block_args  # the real one: _assert_fused_is_python patches it
     with torch.no_grad():
         donor.layers[1].mlp_norm.weight.mul_(1.5)
     with torch.inference_mode():
@@ -181,6 +182,14 @@ def test_the_fused_layer_reads_weights_replaced_after_a_forward(
         model.layers[1].attn.wqkv.register_buffer("weight", donor.layers[1].attn.wqkv.weight)
         model.layers[1].mlp_norm.weight = donor.layers[1].mlp_norm.weight  # another parameter
         model.layers[2].attn_norm.eps = 1e-2  # another size
+        model.layers[2].mlp_norm.eps = 1e-2
+        _assert_fused_is_python(model, monkeypatch)
+        # The op takes one eps for both norms: a layer whose norms differ takes the Python path
+        # (the op once used the first norm's for both).
+        assert block_args(model.layers[2]) is not None
+        model.layers[2].mlp_norm.eps = 1e-5
+        assert block_args(model.layers[2]) is None
+        monkeypatch.undo()
         _assert_fused_is_python(model, monkeypatch)
 
 

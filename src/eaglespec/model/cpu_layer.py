@@ -201,13 +201,12 @@ def _target_args(block: Block) -> LayerArgs:
     def build(sources: Sources) -> LayerArgs:
         attn, mlp = _read(block, "attn", sources), _read(block, "mlp", sources)
         attn_norm, mlp_norm = _read(block, "attn_norm", sources), _read(block, "mlp_norm", sources)
-        norms = (
-            _read(attn_norm, "weight", sources),
-            _read(mlp_norm, "weight", sources),
-            _read(attn_norm, "eps", sources),
-        )
+        eps = _read(attn_norm, "eps", sources)
+        norms = (_read(attn_norm, "weight", sources), _read(mlp_norm, "weight", sources), eps)
         matrices, heads, fused = _matrices(attn, mlp, sources)
+        # the op takes one eps for both norms
         fused = fused and _read(attn, "q_norm", sources) is None
+        fused = fused and _read(mlp_norm, "eps", sources) == eps
         return LayerArgs(norms, matrices, heads, fused, tuple(sources))
 
     return _cached(block, build)
