@@ -6,6 +6,7 @@ Skipped where the kernel cannot run (no AVX-512 VNNI, no C++ compiler)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tests.helpers import tiny_target
@@ -13,7 +14,7 @@ from torch import nn
 
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model import w4a8
-from eaglespec.model.quant import Int4Linear, int4_codes, quantize_model
+from eaglespec.model.quant import Int4Linear, quantize_model
 
 pytestmark = pytest.mark.skipif(
     w4a8.available() is not None, reason=f"w4a8 kernel unavailable: {w4a8.available()}"
@@ -38,7 +39,7 @@ def _layer(n: int, k: int, bias: bool, seed: int = 0) -> nn.Linear:
 def test_kernel_computes_the_documented_math(shape: tuple[int, int], dtype: torch.dtype) -> None:
     n, k = shape
     layer = _layer(n, k, bias=True).to(dtype)  # the bias is added in the model's dtype
-    q, s, lo = int4_codes(layer.weight.float())
+    q, s, lo = w4a8.int4_group_codes(layer.weight)
     mod = w4a8.W4A8Linear.from_linear(layer)
     torch.manual_seed(1)
     x = torch.randn(5, k).to(dtype)  # (M, K)
@@ -76,7 +77,7 @@ def test_dequantize_reads_back_the_packed_weight(shape: tuple[int, int]) -> None
     reads the target's output rows this way): the codes and fp16 scales exactly."""
     n, k = shape
     layer = _layer(n, k, bias=False)
-    q, s, lo = int4_codes(layer.weight)
+    q, s, lo = w4a8.int4_group_codes(layer.weight)
     G = w4a8.GROUP
     want4 = q.float() * s.half().float().repeat_interleave(G, 1)
     want4 += lo.half().float().repeat_interleave(G, 1)
@@ -88,6 +89,21 @@ def test_dequantize_reads_back_the_packed_weight(shape: tuple[int, int]) -> None
     x = torch.randn(3, k)
     y = w4a8.W8A8Linear.from_linear(layer)(x)
     torch.testing.assert_close(y, x @ want8.T, rtol=0.05, atol=0.05)
+
+
+def test_4bit_codes_are_a_q4_1_tensors_own() -> None:
+    """Real Q4_1 blocks, made by the gguf package's own quantizer from random weights (so codes,
+    d and m round as a converter rounds them), dequantized to fp32: the packed layer holds the
+    file's weights exactly (its codes against fp16 scales; with bf16 scales, as int4 keeps them,
+    up to 0.001 off)."""
+    gguf = pytest.importorskip("gguf")
+    values = (np.random.default_rng(0).standard_normal((48, 256)) * 0.05).astype(np.float32)
+    stored = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1)
+    weights = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType.Q4_1).reshape(48, 256)
+    layer = nn.Linear(256, 48, bias=False).requires_grad_(False)
+    layer.weight.copy_(torch.from_numpy(weights.copy()))
+    assert torch.equal(w4a8.W4A8Linear.from_linear(layer).dequantize(), layer.weight)
+    assert not torch.equal(Int4Linear.from_linear(layer).dequantize(), layer.weight)
 
 
 def test_8bit_codes_are_a_q8_0_tensors_own() -> None:
@@ -105,19 +121,23 @@ def test_8bit_codes_are_a_q8_0_tensors_own() -> None:
 
 
 def test_int8_activations_cost_about_nothing_next_to_the_int4_weights() -> None:
-    """Against the dense layer, w4a8's relative error is int4's (torch's kernel, bf16
-    activations) to within 2%: the weights' 4 bits dominate, not the activations' 8."""
+    """Against the dense layer, the error the int8 activation codes add (w4a8's output against
+    its own 4-bit weights times the fp32 activations) is under a quarter of the weights' own
+    (measured 0.009-0.015 against 0.075-0.081 of the output's norm): the weights' 4 bits
+    dominate, not the activations' 8."""
     layer = _layer(256, 1536, bias=False)
     torch.manual_seed(3)
     x = torch.randn(3, 1536)
     dense = layer(x)
+    mod = w4a8.W4A8Linear.from_linear(layer)
 
-    def rel_err(mod: nn.Module) -> float:
-        return float((mod(x).float() - dense).norm() / dense.norm())
+    def rel_err(y: torch.Tensor) -> float:
+        return float((y.float() - dense).norm() / dense.norm())
 
-    ours, int4 = rel_err(w4a8.W4A8Linear.from_linear(layer)), rel_err(Int4Linear.from_linear(layer))
-    assert 0.01 < int4 < 0.2  # the 4-bit rounding is there to compare against
-    assert ours < 1.02 * int4, (ours, int4)
+    weights_only = x @ mod.dequantize().T  # (3, 256)
+    activations = float((mod(x).float() - weights_only).norm() / dense.norm())
+    assert 0.01 < rel_err(weights_only) < 0.2  # the 4-bit rounding is there to compare against
+    assert 0 < activations < 0.25 * rel_err(weights_only), (activations, rel_err(weights_only))
 
 
 # Row counts around the kernel's tiles of 8 rows and its L2 chunks (K = 576: 448 rows), odd and
@@ -153,7 +173,7 @@ def test_any_number_of_output_rows(kind: type[w4a8.W4A8Linear], n: int) -> None:
     y = mod(x)
     assert y.shape == (3, n)
     if kind is w4a8.W4A8Linear:
-        q, s, lo = int4_codes(layer.weight.float())
+        q, s, lo = w4a8.int4_group_codes(layer.weight)
         ref = w4a8.reference(x, q, s.half(), lo.half())
     else:
         q, s = w4a8.int8_group_codes(layer.weight)

@@ -296,15 +296,17 @@ def int4_codes(
     group_size: int = INT4_GROUP,
     *,
     fit_spans: bool = True,
+    scale_dtype: torch.dtype = KERNEL_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group-wise 4-bit codes of w as the module doc says: (q (N, K) fp32 codes in 0..15,
-    s (N, K/G) fp32 scales already rounded to bf16, lo (N, K/G) fp32 group minimums), with
+    s (N, K/G) fp32 scales already rounded to `scale_dtype` (the dtype they are stored in: bf16
+    here, fp16 for w4a8 as GGUF stores them), lo (N, K/G) fp32 group minimums), with
     w ~= q * s + lo. `fit_spans=False` is plain min-max over 15 steps."""
     N, K = w.shape
     wg = w.view(N, K // group_size, group_size)  # (N, K/G, G)
     lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/G)
     span = code_spans(wg, lo, hi) if fit_spans else torch.full(lo.shape, 15)  # (N, K/G)
-    s = torch.where(hi > lo, (hi - lo) / span, 1.0).to(KERNEL_DTYPE).float()  # (N, K/G)
+    s = torch.where(hi > lo, (hi - lo) / span, 1.0).to(scale_dtype).float()  # (N, K/G)
     q = ((wg - lo[..., None]) / s[..., None]).round_().clamp_(0, 15)  # (N, K/G, G)
     return q.view(N, K), s, lo
 

@@ -5,12 +5,14 @@
 Dims: M rows (B * T flattened), K in features, N out features, G = 32 features per group.
 
 Weights are int4's codes (quant.int4_codes: per group of 32 inputs, codes q in 0..15 and a scale);
-the scale s and the group minimum mn are stored as fp16, GGUF's own type for them, so
-w = q * s + mn. Not bitwise the file's weights (measured 2026-11-26): the loader quantizes from
-weights already cast to the model dtype (bf16 by default), and int4_codes rounds scales to bf16,
-so a Q4_1 group's s and mn come back within bf16 rounding of the file's fp16 d and m (SmolLM2,
-one layer's w2: up to 0.0073 off; 0 when quantized from fp32 with fp16 scales, which moved the
-default precision's NLL of fp32's own text by 0.001 nats and its top-1 not at all).
+the scale s and the group minimum mn are stored as fp16, GGUF's own type for them, and the codes
+are fitted against the fp16 scale (int4_group_codes), so w = q * s + mn. From a GGUF Q4_1 tensor
+dequantized to fp32 that is the file's codes, d and m exactly (tests/test_w4a8.py, on blocks from
+the gguf package's own quantizer). The loader, though, quantizes from weights already cast to
+the model dtype (bf16 by default), so a Q4_1 group's s and mn come back within bf16 rounding of
+the file's d and m (measured 2026-11-26 on SmolLM2, one layer's w2: up to 0.0073 off; quantizing
+from fp32 instead moved the default precision's NLL of fp32's own text by 0.001 nats and its
+top-1 not at all).
 
 Activations are quantized per row and per group to int8 inside the kernel, as llama.cpp does
 for its 4-bit formats (Q8_0 activations for Q4_0/Q4_1, Q8_K for the K-quants):
@@ -188,6 +190,13 @@ def _f16_values(b: torch.Tensor, N: int) -> torch.Tensor:
     return t16.transpose(1, 2).reshape(-1, b.shape[1])[:N].float()
 
 
+def int4_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> int4's codes (N, K), scales and group minimums (N, K/G), the scales
+    rounded to fp16 as they are stored (quant.int4_codes). On a Q4_1 or Q4_0 tensor dequantized
+    to fp32 this recovers the file's codes, scales and minimums exactly."""
+    return int4_codes(w.float(), scale_dtype=torch.float16)
+
+
 def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) weights -> (N, K) int8 codes in -127..127 and (N, K/G) fp16 scales, symmetric per
     group of 32 (GGUF's Q8_0): s = fp16(absmax / 127), q = round(w / s), so w ≈ s * q exactly as
@@ -276,7 +285,7 @@ class W4A8Linear(_QuantLinear):
         """int4's codes and scales (quant.int4_codes; see the module doc on exactness), with the
         group minimum itself as the offset."""
         _check_shape(*linear.weight.shape)
-        q, s, lo = int4_codes(linear.weight.detach().float())
+        q, s, lo = int4_group_codes(linear.weight.detach())
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, s, lo, bias)
 
