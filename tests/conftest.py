@@ -7,6 +7,7 @@ template), so every load path, the CLI and the API run on it in milliseconds.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -84,6 +85,18 @@ def real_gguf() -> Path:
     return Path(override)
 
 
+@pytest.fixture(scope="session")
+def default_plain():
+    """The default model at the commands' default precision (`--dtype auto --quant auto`), to
+    decode plainly in this process: what each command's answers are compared with."""
+    from eaglespec import LLM
+    from eaglespec.registry import pull
+
+    return LLM(
+        str(pull("smollm2-135m", progress=False)), dtype="auto", quant="auto", progress=False
+    )
+
+
 @pytest.fixture(autouse=True)
 def _calibration_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
     """Stored calibrations (calibration.py) go to a per-session temporary folder, never the
@@ -102,3 +115,72 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# --- The run's own summary: which commands ran end to end at their defaults, and what did not run.
+
+COMMANDS = ("generate", "chat", "serve", "bench", "train", "pull")
+_COMMAND_OF: dict[str, str] = {}  # test id -> the command it runs
+_OUTCOMES: dict[str, tuple[str, float]] = {}  # test id -> (passed / failed / skipped, seconds)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `command("generate")` etc. run that command as a user types it, in its own
+    process, on the default model at its defaults."""
+    for item in items:
+        mark = item.get_closest_marker("command")
+        if mark is not None:
+            assert mark.args and mark.args[0] in COMMANDS, f"{item.nodeid}: command {mark.args}"
+            _COMMAND_OF[item.nodeid] = mark.args[0]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # A test's outcome: failed or skipped in any phase, else passed.
+    seen, took = _OUTCOMES.get(report.nodeid, ("passed", 0.0))
+    if report.failed or report.skipped:
+        seen = "failed" if report.failed else "skipped"
+    _OUTCOMES[report.nodeid] = (seen, took + report.duration)
+
+
+def _kernel_line() -> str:
+    from eaglespec.model import w4a8
+
+    missing = w4a8.available()
+    if missing is None:
+        return "w4a8 kernel: runs on this CPU, so the default-precision tests ran bf16 w4a8"
+    return (
+        f"w4a8 kernel: NOT available ({missing}); the commands' default precision here is fp32, "
+        "so the tests of the default precision ran the fp32 fallback instead of bf16 w4a8"
+    )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    command_of, outcomes = _COMMAND_OF, _OUTCOMES
+    tr = terminalreporter
+    tr.section("what this run covered")
+    tr.write_line("commands run end to end in their own process, default model, default settings:")
+    for command in COMMANDS:
+        ids = [n for n, c in command_of.items() if c == command]
+        ran = [outcomes[n] for n in ids if n in outcomes]
+        if not ran:
+            tr.write_line(f"  {command:9s} not run ({'deselected' if ids else 'no test'})")
+            continue
+        counts = {k: sum(1 for o, _ in ran if o == k) for k in ("passed", "failed", "skipped")}
+        said = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+        tr.write_line(f"  {command:9s} {said} ({sum(t for _, t in ran):.0f} s)")
+    tr.write_line(_kernel_line())
+    if importlib.util.find_spec("llama_cpp") is None:
+        tr.write_line(
+            "llama-cpp-python: not installed (not in the test extras: installing it compiles "
+            "llama.cpp for many minutes), so the bench's llama.cpp comparison did not run"
+        )
+    markexpr = config.getoption("markexpr", "")
+    if markexpr:
+        tr.write_line(
+            f"selected by -m {markexpr!r}: `python -m pytest -m compile` runs the torch.compile "
+            "tests, `-m slow` the slow real-model ones"
+        )
+    skipped = sum(1 for o, _ in outcomes.values() if o == "skipped")
+    if skipped:
+        tr.write_line(f"{skipped} tests skipped here; each reason is in the summary above (-ra)")
+    tr.write_line(f"test time: {sum(t for _, t in outcomes.values()):.0f} s")

@@ -105,6 +105,23 @@ def test_results_schema_and_values(bench_run: Path) -> None:
         assert table["plain"]["speedup"] == pytest.approx(1.0)
     gens = data["generations"]
     assert len(gens) == 4 * len(METHODS)
+    # The summary recomputed from the per-generation records (the definitions in settings):
+    # tokens per second, speedup against plain's, and tokens per target forward.
+    plain_rate = summary["plain"]["tokens_per_second"]
+    for name in METHODS:
+        mine = [g for g in gens if g["method"] == name]
+        seconds = sum(g["prefill_seconds"] + g["decode_seconds"] for g in mine)
+        rate = sum(g["new_tokens"] for g in mine) / seconds
+        assert summary[name]["tokens_per_second"] == pytest.approx(rate)
+        assert summary[name]["speedup"] == pytest.approx(rate / plain_rate)
+        if name != "plain":
+            rounds = sum(g["rounds"] for g in mine)
+            accepted = sum(g["accepted_tokens"] for g in mine)
+            assert summary[name]["mean_accept_length"] == pytest.approx(
+                (accepted + rounds) / rounds
+            )
+            # each round lands its accepted drafts and one target token after the prefill's
+            assert all(g["new_tokens"] <= 1 + g["rounds"] + g["accepted_tokens"] for g in mine)
     assert all(g["matches_plain"] for g in gens)
     assert [g["turn"] for g in gens if g["question_id"] == 1 and g["method"] == "plain"] == [0, 1]
 

@@ -9,7 +9,6 @@ the user's cache."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -21,16 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eaglespec import LLM, SamplingParams
-from eaglespec.generate import generate_stream
-from eaglespec.paths import cache_dir
-from eaglespec.registry import pull
-from eaglespec.requests import collect_outputs
+from commands import DEFAULT_MODEL as NAME
+from commands import command_env, plain_text, user_home
+from eaglespec import LLM
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.real
-
-NAME = "smollm2-135m"
 
 
 def _free_port() -> int:
@@ -39,21 +34,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _home(home: Path) -> Path:
-    """An EAGLESPEC_HOME for a command's process: the user's downloaded models (linked; pulled
-    first if need be), and its own calibration folder."""
-    pull(NAME, progress=False)
-    (home / "models").symlink_to(cache_dir() / "models", target_is_directory=True)
-    return home
-
-
 @pytest.fixture(scope="module")
 def served(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, subprocess.Popen, Path]]:
-    home = _home(tmp_path_factory.mktemp("home"))
+    home = user_home(tmp_path_factory.mktemp("home"))
     port = _free_port()
-    env = {**os.environ, "EAGLESPEC_HOME": str(home)}
+    env = command_env(home)
     proc = subprocess.Popen(
         [sys.executable, "-m", "eaglespec", "serve", "--port", str(port)],
         env=env,
@@ -84,19 +71,9 @@ def served(
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def reference() -> LLM:
-    """The same model at the same (default) precision, decoding plainly in this process."""
-    return LLM(str(pull(NAME, progress=False)), dtype="auto", quant="auto", progress=False)
-
-
-def _plain(llm: LLM, ids: list[int], max_tokens: int) -> str:
-    params = SamplingParams(max_tokens=max_tokens)
-    return collect_outputs(generate_stream(llm.model, llm.tokenizer, [ids], [params]))[0].text
-
-
+@pytest.mark.command("serve")
 def test_the_served_defaults_answer_as_plain_decoding(
-    served: tuple[str, subprocess.Popen, Path], reference: LLM
+    served: tuple[str, subprocess.Popen, Path], default_plain: LLM
 ) -> None:
     url, proc, _ = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -111,8 +88,8 @@ def test_the_served_defaults_answer_as_plain_decoding(
         whole = client.chat.completions.create(
             model=NAME, messages=messages, max_tokens=48, temperature=0
         )
-        ids = reference.tokenizer.encode_chat(messages)
-        assert whole.choices[0].message.content == _plain(reference, ids, 48), question
+        ids = default_plain.tokenizer.encode_chat(messages)
+        assert whole.choices[0].message.content == plain_text(default_plain, ids, 48), question
         assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
         stream = client.chat.completions.create(
             model=NAME, messages=messages, max_tokens=48, temperature=0, stream=True
@@ -121,10 +98,13 @@ def test_the_served_defaults_answer_as_plain_decoding(
         assert text == whole.choices[0].message.content
     prompt = "The three primary colours are"
     done = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
-    assert done.choices[0].text == _plain(reference, reference.tokenizer.encode(prompt), 24)
+    assert done.choices[0].text == plain_text(
+        default_plain, default_plain.tokenizer.encode(prompt), 24
+    )
     assert proc.poll() is None  # still serving
 
 
+@pytest.mark.command("serve")
 def test_sigterm_ends_the_server_cleanly(served: tuple[str, subprocess.Popen, Path]) -> None:
     """After the requests above: SIGTERM, exit status 0, the startup report named the defaults
     (precision, the head with prompt lookup), and what serving taught the adaptive policy was
@@ -140,13 +120,14 @@ def test_sigterm_ends_the_server_cleanly(served: tuple[str, subprocess.Popen, Pa
     assert list((home / "calibration").glob("*.json")), "serving's calibration was not kept"
 
 
+@pytest.mark.command("chat")
 def test_chat_command_at_its_defaults_keeps_the_conversation(
-    tmp_path: Path, reference: LLM
+    tmp_path: Path, default_plain: LLM
 ) -> None:
     """`eaglespec chat` as a user runs it, turns on standard input: each answer is plain greedy
     decoding's of the conversation so far (the second turn sees the first answer), /reset
     forgets it, /exit ends the command with status 0."""
-    env = {**os.environ, "EAGLESPEC_HOME": str(_home(tmp_path))}
+    env = command_env(user_home(tmp_path))
     turns = ["Name a fruit.", "Now name a vegetable.", "/reset", "What is 2 + 2?", "/exit"]
     proc = subprocess.run(
         [sys.executable, "-m", "eaglespec", "chat", "--max-tokens", "24"],
@@ -158,10 +139,10 @@ def test_chat_command_at_its_defaults_keeps_the_conversation(
     )
     assert proc.returncode == 0, proc.stderr
     assert "prompt-lookup tokens" in proc.stderr and "[conversation cleared]" in proc.stderr
-    tok = reference.tokenizer
+    tok = default_plain.tokenizer
     first = [{"role": "user", "content": turns[0]}]
-    a1 = _plain(reference, tok.encode_chat(first), 24)
+    a1 = plain_text(default_plain, tok.encode_chat(first), 24)
     second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": turns[1]}]
-    a2 = _plain(reference, tok.encode_chat(second), 24)
-    a3 = _plain(reference, tok.encode_chat([{"role": "user", "content": turns[3]}]), 24)
+    a2 = plain_text(default_plain, tok.encode_chat(second), 24)
+    a3 = plain_text(default_plain, tok.encode_chat([{"role": "user", "content": turns[3]}]), 24)
     assert proc.stdout == f"{a1}\n{a2}\n{a3}\n"

@@ -1,7 +1,7 @@
-"""`eaglespec train` end to end on the real default model at its defaults (the GGUF's own
-precision, bf16 w4a8): answering, feature capture, training from the shipped head, the held-out
-evaluation and the report's per-stage throughput, and a run stopped after some answers resumes
-with them, answering only the rest."""
+"""`eaglespec train` end to end, in its own process, on the real default model at its defaults
+(the GGUF's own precision, bf16 w4a8): answering, feature capture, training from the shipped
+head, the held-out evaluation and the report's per-stage throughput, and a run stopped after some
+answers resumes with them, answering only the rest."""
 
 from __future__ import annotations
 
@@ -10,17 +10,24 @@ from pathlib import Path
 
 import pytest
 
+from commands import eaglespec, user_home
 from eaglespec.draft.loader import load_eagle3
 from eaglespec.heads import packaged_head
 from eaglespec.model.loader import load_model
-from eaglespec.train.pipeline import PipelineConfig, run
-from eaglespec.train.regen import RegenConfig, read_samples
-from eaglespec.train.trainer import TrainConfig
+from eaglespec.registry import pull
+from eaglespec.train.regen import read_samples
 
 pytestmark = pytest.mark.real
 
 
-def test_train_end_to_end_resumes_and_reports_throughput(real_gguf: Path, tmp_path: Path) -> None:
+@pytest.mark.command("train")
+def test_train_end_to_end_resumes_and_reports_throughput(tmp_path: Path) -> None:
+    """`eaglespec train` as a user runs it, with only the sizes a test can afford: a first run
+    that stops after two answers (an interrupted run keeps what it wrote), then the whole
+    command, which resumes with those two and answers only the rest."""
+    home = tmp_path / "home"
+    home.mkdir()
+    user_home(home)
     data = tmp_path / "prompts.jsonl"
     questions = [
         "What is 12 times 7?",
@@ -34,29 +41,20 @@ def test_train_end_to_end_resumes_and_reports_throughput(real_gguf: Path, tmp_pa
     out = tmp_path / "head"
     head = packaged_head("smollm2-135m")
     assert head is not None
-    cfg = PipelineConfig(
-        target=str(real_gguf),
-        data=(str(data),),
-        out=out,
-        regen=RegenConfig(max_new_tokens=24, max_samples=2),
-        init_from=head,
-        heldout=0.3,
-        eval_prompts=2,
-        eval_max_tokens=16,
-        stop_after="regen",
-        train=TrainConfig(epochs=1, ttt_steps=2, batch_tokens=512, warmup_steps=1),
-    )
-    logs: list[str] = []
-    first = run(cfg, log=logs.append, progress=False)
-    assert first["target_precision"]["quant"] == "w4a8"  # the commands' default precision
+    args = ["train", "--target", "smollm2-135m", "--data", str(data), "--out", str(out)]
+    args += ["--init-from", str(head), "--max-new-tokens", "24", "--heldout", "0.3"]
+    args += ["--eval-prompts", "2", "--eval-max-tokens", "16", "--epochs", "1", "--ttt-steps", "2"]
+    args += ["--batch-tokens", "512", "--warmup-steps", "1"]
+    first = eaglespec([*args, "--regen-max-samples", "2", "--stop-after", "regen"], home, 600)
+    assert first.returncode == 0, first.stderr
     responses = out / "work" / "responses.jsonl"
     kept = responses.read_text().splitlines()
-    assert len(kept) == 2  # stopped there (an interrupted run keeps what it wrote)
+    assert len(kept) == 2  # stopped there
 
-    full = PipelineConfig(
-        **{**_fields(cfg), "regen": RegenConfig(max_new_tokens=24), "stop_after": "eval"}
-    )
-    report = run(full, log=logs.append, progress=False)
+    whole = eaglespec(args, home, 900)
+    assert whole.returncode == 0, whole.stderr
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["target_precision"]["quant"] == "w4a8"  # the commands' default precision
     lines = responses.read_text().splitlines()
     assert lines[:2] == kept and len(lines) == len(questions)  # resumed: only the rest answered
     assert report["regen"]["new"] == len(questions) - 2
@@ -70,11 +68,7 @@ def test_train_end_to_end_resumes_and_reports_throughput(real_gguf: Path, tmp_pa
     )
     assert report["heldout_acceptance"]["prompts"] >= 1
     assert report["heldout_acceptance"]["mean_accept_length"] >= 1.0
-    target = load_model(real_gguf, dtype="auto", quant="auto")
+    target = load_model(pull("smollm2-135m", progress=False), dtype="auto", quant="auto")
     loaded = load_eagle3(out, target.model)  # the written head loads against its target
     assert loaded.capture == load_eagle3(head, target.model).capture
-    assert any("tokens/s" in line for line in logs)
-
-
-def _fields(cfg: PipelineConfig) -> dict[str, object]:
-    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+    assert "tokens/s" in whole.stderr + whole.stdout  # each stage's rate as it runs

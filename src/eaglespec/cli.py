@@ -120,6 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         result = {
             "model": str(llm.loaded.path),
+            "precision": {"dtype": llm.loaded.precision.dtype, "quant": llm.loaded.precision.quant},
             "text": output.text,
             "prompt_token_ids": output.prompt_token_ids,
             "token_ids": output.token_ids,
