@@ -178,7 +178,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if markexpr:
         tr.write_line(
             f"selected by -m {markexpr!r}: `python -m pytest -m compile` runs the torch.compile "
-            "tests, `-m slow` the slow real-model ones"
+            "tests, `-m slow` the slow real-model ones (Qwen2's); .ci/run runs both after this"
         )
     skipped = sum(1 for o, _ in outcomes.values() if o == "skipped")
     if skipped:

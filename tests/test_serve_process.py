@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +103,49 @@ def test_the_served_defaults_answer_as_plain_decoding(
         default_plain, default_plain.tokenizer.encode(prompt), 24
     )
     assert proc.poll() is None  # still serving
+
+
+@pytest.mark.command("serve")
+def test_the_served_defaults_answer_concurrent_and_long_prompts_as_alone(
+    served: tuple[str, subprocess.Popen, Path], default_plain: LLM
+) -> None:
+    """Six chat requests at once, one of them a 400-token prompt the server prefills in chunks
+    of 256 beside the others' decoding: each answer is plain greedy decoding's of it alone."""
+    url, proc, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    notes = " ".join(
+        f"Note {j}: bees visit flowers, carry nectar home and fan it until it thickens."
+        for j in range(22)
+    )
+    questions = [
+        f"{notes}\nSummarize the notes above in one sentence.",
+        "Name a fruit.",
+        "What is 3 times 3?",
+        "Repeat after me: red, green, blue, red, green, blue.",
+        "Write a Python function that adds two numbers.",
+        "What is the capital of Italy?",
+    ]
+    ids = [default_plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    assert len(ids[0]) > 300  # past serve's 256-token prefill chunk
+    got: dict[int, str] = {}
+    start = threading.Barrier(len(questions))
+
+    def ask(i: int) -> None:
+        start.wait()
+        r = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": questions[i]}],
+            max_tokens=32, temperature=0,
+        )  # fmt: skip
+        got[i] = r.choices[0].message.content or ""
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, prompt in enumerate(ids):
+        assert got[i] == plain_text(default_plain, prompt, 32), questions[i][-60:]
+    assert proc.poll() is None
 
 
 @pytest.mark.command("serve")
