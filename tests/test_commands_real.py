@@ -138,6 +138,8 @@ def test_bench_at_its_defaults(home: Path, tmp_path: Path) -> None:
     assert "tree depth 4, top-k 4, 16 nodes" in results["methods"]["eagle3-tree"]
     assert "prompt-lookup tokens" in results["methods"]["eagle3-adaptive"]
     for name, row in summary.items():
+        if name == "plain":  # the reference the others are compared with
+            continue
         assert row["lossless"]["compared"] == 2 and row["lossless"]["lossless"], name
         split = row["round_time"]
         if split["draft_ms"] is not None:

@@ -148,11 +148,13 @@ def test_chunked_prefill_joins_equal_plain(target: Transformer, chunk: int) -> N
 def test_copy_draft_accepts_everything_after_joins(target: Transformer) -> None:
     proposer = DraftModelProposer(copy.deepcopy(target), target_vocab_size=V)
     _, outs = _staggered(target, proposer, [3])
-    for o in outs:
+    for o, n in zip(outs, MAX_TOKENS, strict=True):
         s = o.stats
-        # Rows near their max_tokens get shorter effective chains only through stopping, never
-        # through a rejected draft: every proposed token is accepted.
-        assert s.accepted_tokens == s.draft_tokens
+        # Every round drafts 3 and accepts all 3 (whatever joined or left around it); what the
+        # last round accepted past max_tokens is cut, so each row ends in the fewest rounds: the
+        # prefill's token, then 4 a round. (The 1-token request ends at its prefill.)
+        assert s.draft_tokens == 3 * s.rounds and s.accepted_tokens == s.draft_tokens
+        assert s.rounds == -(-(n - 1) // 4)
 
 
 def test_cancelled_row_leaves_and_others_are_unchanged(target: Transformer) -> None:

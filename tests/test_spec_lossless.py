@@ -118,13 +118,14 @@ def test_seeded_sampling_gives_the_plain_tokens_under_any_speculation(
     prompts = PROMPTS[:3]
     plain = _plain(target, prompts, SEEDED)
     assert plain[0].token_ids != _plain(target, prompts[:1], [SEEDED[1]])[0].token_ids
-    tree = None
-    if how in ("random-head", "tree", "changing-lengths"):
+    tree = TREES["eagle-like"] if how == "tree" else None
+    if how == "random-head":  # every draft rejected
         proposer = Eagle3Proposer(random_eagle3(target, seed=2), (1, 3, 4))
-        tree = TREES["eagle-like"] if how == "tree" else None
-    else:
+    else:  # the plain sampled tokens, some made wrong; in a tree, the oracle's ladder (accepted
+        # paths skip a wrong sibling at every depth)
         seqs = [p + o.token_ids + [0] * 8 for p, o in zip(prompts, plain, strict=True)]
-        proposer = OracleProposer(seqs, V, wrong_every=3 if how == "oracle-noisy" else 0)
+        noisy = how in ("oracle-noisy", "changing-lengths")
+        proposer = OracleProposer(seqs, V, wrong_every=3 if noisy else 0)
     if how == "changing-lengths":
         runner = BatchRunner(target, proposer, NullTokenizer(), max_draft=4)
         events = runner.join(prompts, SEEDED, range(3))
@@ -141,8 +142,9 @@ def test_seeded_sampling_gives_the_plain_tokens_under_any_speculation(
         )
     for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids
-    if how == "oracle":  # the drafts were the plain tokens: nearly all accepted
-        assert spec[0].stats.mean_accept_length > 3.0
+    # Accepted drafts went through the sampled rows (the random head's are all rejected).
+    least = {"random-head": 1.0, "oracle": 3.0, "tree": 2.5}.get(how, 1.5)
+    assert spec[0].stats.mean_accept_length >= least, how
 
 
 TREES = {

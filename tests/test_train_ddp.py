@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from eaglespec.draft.config import default_capture
 from eaglespec.draft.eagle3 import Eagle3Head
+from eaglespec.train import trainer
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
 from eaglespec.train.pipeline import build_head
 from eaglespec.train.regen import Sample
@@ -48,30 +49,56 @@ def _trained_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in head.named_parameters() if p.requires_grad}
 
 
+def _train_counting_rows(
+    head: Eagle3Head, feats: list[FeatureShard], vocab: DraftVocab, lm: torch.Tensor
+) -> tuple[list[float], int]:
+    """train(), and the per-step losses it logged and the rows this process collated."""
+    rows = 0
+    collate = trainer.collate
+
+    def counting(samples, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal rows
+        rows += len(samples)
+        return collate(samples, *args, **kwargs)
+
+    trainer.collate = counting
+    try:
+        history = train(head, feats, vocab, lm, CFG)
+    finally:
+        trainer.collate = collate
+    return [s.loss for s in history], rows
+
+
 def _worker(rank: int, size: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
         head, feats, vocab, lm = _setup()
-        train(head, feats, vocab, lm, CFG)
-        if rank == 0:
-            torch.save(_trained_state(head), out)
+        losses, rows = _train_counting_rows(head, feats, vocab, lm)
+        torch.save({"state": _trained_state(head), "losses": losses, "rows": rows}, f"{out}{rank}")
     finally:
         dist.destroy_process_group()
 
 
 def test_two_processes_train_the_same_head_as_one(tmp_path: Path) -> None:
+    """The same weights, the same logged loss at every step (the global mean: a rank that
+    dropped the world-size factor would log half of it, while AdamW and clipping hide the scale
+    from the weights), and each rank collated about half the rows."""
     head, feats, vocab, lm = _setup()
     before = _trained_state(head)
-    history = train(head, feats, vocab, lm, CFG)
+    losses, rows = _train_counting_rows(head, feats, vocab, lm)
     single = _trained_state(head)
-    assert history[-1].loss < history[0].loss
+    assert losses[-1] < losses[0]
     assert any(not torch.equal(before[n], single[n]) for n in single)
 
     out = tmp_path / "ddp.pt"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
-    ddp = torch.load(out)
-    assert set(ddp) == set(single)
-    for name in single:
-        torch.testing.assert_close(ddp[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
+    ranks = [torch.load(f"{out}{r}") for r in range(2)]
+    for got in ranks:
+        assert set(got["state"]) == set(single)
+        for name in single:
+            torch.testing.assert_close(got["state"][name], single[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got["losses"], losses, rtol=1e-4, atol=1e-6)
+    assert sum(r["rows"] for r in ranks) == rows
+    assert all(abs(r["rows"] - rows / 2) <= len(losses) for r in ranks)  # odd batches: +-1 row

@@ -67,7 +67,7 @@ def test_train_end_to_end_resumes_and_reports_throughput(tmp_path: Path) -> None
         len(s.response) for s in samples if s.key not in {json.loads(k)["key"] for k in kept}
     )
     assert report["heldout_acceptance"]["prompts"] >= 1
-    assert report["heldout_acceptance"]["mean_accept_length"] >= 1.0
+    assert report["heldout_acceptance"]["mean_accept_length"] > 1.0  # the head drafts something
     target = load_model(pull("smollm2-135m", progress=False), dtype="auto", quant="auto")
     loaded = load_eagle3(out, target.model)  # the written head loads against its target
     assert loaded.capture == load_eagle3(head, target.model).capture
