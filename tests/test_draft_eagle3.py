@@ -436,6 +436,34 @@ def test_lm_head_inherited_without_one(target: Transformer, tmp_path: Path) -> N
     _check_reference(head, tensors, target, RefFlags(), 3)
 
 
+def test_lm_head_of_the_targets_rows_is_not_stored(target: Transformer, tmp_path: Path) -> None:
+    """A head whose output layer is the target's rows of its draft vocabulary (trained frozen,
+    `eaglespec train --lm-head target`): saved without lm_head.weight but with d2t, loaded with
+    those rows gathered from the target, computing what it computed before it was saved."""
+    head = random_eagle3(target, draft_vocab_size=VD, seed=5)
+    ids = torch.arange(VD) + head.d2t  # (VD,) target ids
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[ids])
+    head.lm_head_is_target_rows = True
+    folder = save_eagle3(head, tmp_path / "rows", (2, 3, 3), num_target_layers=N_LAYERS)
+    stored = load_file(str(folder / "model.safetensors"))
+    assert "lm_head.weight" not in stored and torch.equal(stored["d2t"], head.d2t)
+    loaded = load_eagle3(folder, target)
+    assert loaded.head.lm_head_is_target_rows and loaded.head.lm_head is not target.lm_head
+    assert torch.equal(loaded.head.lm_head.weight, target.lm_head.weight[ids])
+    assert loaded.report.shared == ("embed_tokens", "lm_head rows")
+    assert loaded.report.shared_bytes == (V + VD) * C * 4
+    x, aux = _inputs(2, 6, 3)
+    a = _run(head, x, head.combine(aux))
+    b = _run(loaded.head, x, loaded.head.combine(aux))
+    torch.testing.assert_close(a.logits, b.logits, atol=0, rtol=0)
+    # Saved again (export does so), the rows stay the target's: still not stored.
+    again = load_file(
+        str(save_eagle3(loaded.head, tmp_path / "again", (2, 3, 3)) / "model.safetensors")
+    )
+    assert "lm_head.weight" not in again
+
+
 def test_embedding_equal_to_targets_is_shared(target: Transformer, tmp_path: Path) -> None:
     same = DraftSpec(
         dtype=torch.float32, extra={"embed_tokens.weight": target.embed.weight.clone()}
@@ -503,7 +531,6 @@ BAD_WEIGHTS: dict[str, tuple[dict[str, Any], str | None, str]] = {
     "fc_vs_override": ({}, None, r"fc.weight has in-dim 192, .*\[1, 2\] gives 2 states"),
     "no_d2t": ({}, "no_d2t", r"missing tensor 'd2t'"),
     "unexpected": ({}, "unexpected", r"unexpected tensor 'midlayer.self_attn.q_norm.weight'"),
-    "lm_head_vocab": ({}, None, r"no lm_head.weight, and the target's lm_head"),
 }
 
 
@@ -526,8 +553,6 @@ def test_bad_weights_name_the_file(
     tensors = draft_tensors(DraftSpec())
     if edit:
         _edit_tensors(tensors, edit)
-    if case == "lm_head_vocab":
-        del tensors["lm_head.weight"]
     folder = write_draft(tmp_path / case, native_config(**changes), tensors, fmt)
     capture = (1, 2) if case == "fc_vs_override" else None
     with pytest.raises(ModelLoadError, match=pattern) as info:

@@ -203,6 +203,22 @@ def test_fp32_round_trip_is_exact(target: Transformer, native: Path, tmp_path: P
     assert torch.equal(again.head.d2t, original.head.d2t)
 
 
+def test_a_head_of_the_targets_rows_exports_them(target: Transformer, tmp_path: Path) -> None:
+    """Stored without its output rows (the target's, trained frozen), a head exports with them:
+    vLLM and SGLang read a reduced vocabulary's lm_head only from the file."""
+    head = random_eagle3(target, draft_vocab_size=VD, seed=3)
+    ids = torch.arange(VD) + head.d2t
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[ids])
+    head.lm_head_is_target_rows = True
+    folder = save_eagle3(head, tmp_path / "rows", (2, 3, 3))
+    report = export_for_target(folder, target, tmp_path / "out", dtype="float32")
+    stored = load_file(str(report.out / "model.safetensors"))
+    assert torch.equal(stored["lm_head.weight"], target.lm_head.weight[ids])
+    assert "lm_head rows" not in report.shared
+    assert not any("lm_head" in note for note in report.notes)
+
+
 def test_bf16_export(target: Transformer, native: Path, tmp_path: Path) -> None:
     report = export_for_target(native, target, tmp_path / "out", dtype="bfloat16")
     assert _config(report.out)["torch_dtype"] == "bfloat16"

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from eaglespec.cache import KVCache
 from eaglespec.config import SamplingParams
@@ -30,6 +31,7 @@ from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs
 from eaglespec.train.data import Conversation, read_all, read_conversations, with_variants
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
+from eaglespec.train.pipeline import build_head
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 from eaglespec.train.trainer import TrainConfig, train
 from eaglespec.train.ttt import TTTBatch, TTTOutput, _ttt_mask, position_loss, ttt_forward
@@ -459,16 +461,34 @@ def _regenerated(
     return samples, [shard.sample(i) for i in range(len(shard))]
 
 
-def test_train_save_load_decode_losslessly(tmp_path: Path) -> None:
+class _Loaded:
+    """What build_head reads of a loaded model."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model, self.config = model, model.cfg
+
+
+@pytest.mark.parametrize("lm_head", ["trained", "target"])
+def test_train_save_load_decode_losslessly(tmp_path: Path, lm_head: str) -> None:
     """The acceptance run: training lowers the loss, the saved head loads back bit for bit, and
-    speculative decoding with it equals plain greedy decoding while accepting its drafts."""
+    speculative decoding with it equals plain greedy decoding while accepting its drafts. With
+    `lm_head` "target" (and a narrower MLP than the target's) the output rows stay the target's
+    through training and are not written: the loaded head gathers them again."""
     target = tiny_target(0, vocab=V, layers=4)
     L = target.cfg.num_layers
     capture = default_capture(L)
     samples, feats = _regenerated(target, capture)
     vocab = build_draft_vocab([s.response for s in samples], VD, V)
-    head = _trainable(random_eagle3(target, draft_vocab_size=VD, seed=1))
-    head.d2t.copy_(vocab.d2t)
+    if lm_head == "trained":
+        head = _trainable(random_eagle3(target, draft_vocab_size=VD, seed=1))
+        head.d2t.copy_(vocab.d2t)
+    else:
+        head = build_head(
+            _Loaded(target), target.lm_head.weight, vocab, 3, "cpu", intermediate_size=48,
+            lm_head="target",
+        )  # fmt: skip
+        assert head.cfg.intermediate_size == 48 and not head.lm_head.weight.requires_grad
+    rows = head.lm_head.weight.detach().clone()
     # One batch, so every step sees the same data and the losses compare.
     one_batch = len(feats) * max(len(f.ids) for f in feats)
     cfg = TrainConfig(
@@ -480,8 +500,16 @@ def test_train_save_load_decode_losslessly(tmp_path: Path) -> None:
     assert losses[-1] < 0.8 * losses[0]
 
     folder = save_eagle3(head.eval(), tmp_path / "draft", capture, num_target_layers=L)
+    stored = load_file(str(folder / "model.safetensors"))
+    if lm_head == "target":
+        assert torch.equal(head.lm_head.weight, rows)  # frozen: the target's rows still
+        assert torch.equal(rows, target.lm_head.weight[vocab.ids])
+        assert "lm_head.weight" not in stored and "d2t" in stored
+    else:
+        assert not torch.equal(head.lm_head.weight, rows)  # trained
     loaded = load_eagle3(folder, target)
     assert loaded.capture == capture
+    assert loaded.head.cfg.intermediate_size == head.cfg.intermediate_size
     mine = dict(loaded.head.named_parameters())
     for name, p in head.named_parameters():
         assert torch.equal(mine[name], p.detach()), name

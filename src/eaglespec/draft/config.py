@@ -140,16 +140,22 @@ class DraftConfig:
 
     @classmethod
     def like_target(
-        cls, target: ModelConfig, *, draft_vocab_size: int | None = None, num_layers: int = 1
+        cls,
+        target: ModelConfig,
+        *,
+        draft_vocab_size: int | None = None,
+        num_layers: int = 1,
+        intermediate_size: int | None = None,
     ) -> DraftConfig:
-        """A native-default draft shaped like `target` (random heads for tests and benchmarks)."""
+        """A native-default draft shaped like `target` (its MLP `intermediate_size` wide where
+        given): random heads for tests and benchmarks, fresh heads for training."""
         return cls(
             hidden_size=target.hidden_size,
             target_hidden_size=target.hidden_size,
             num_heads=target.num_heads,
             num_kv_heads=target.num_kv_heads,
             head_dim=target.head_dim,
-            intermediate_size=target.intermediate_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
             rms_norm_eps=target.rms_norm_eps,
             vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size or target.vocab_size,

@@ -185,6 +185,9 @@ class Eagle3Head(nn.Module):
         self.num_aux = num_aux
         self.shares_embed = embed is not None
         self.shares_lm_head = lm_head is not None
+        # The lm_head holds the target's output rows of the draft vocabulary, frozen: not saved
+        # with the head, gathered from the target at load (draft/loader.py).
+        self.lm_head_is_target_rows = False
         self.embed = embed if embed is not None else nn.Embedding(cfg.vocab_size, C)
         if tuple(self.embed.weight.shape) != (cfg.vocab_size, C):
             raise ValueError(f"embedding {tuple(self.embed.weight.shape)} != {(cfg.vocab_size, C)}")

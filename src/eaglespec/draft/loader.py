@@ -10,7 +10,10 @@ Layer names are canonicalised to `layers.{i}.<suffix>`; messages quote the file'
 
 The head is built on the meta device and each parameter is read once (fused q/k/v and gate/up,
 cast, moved) and assigned. Without `embed_tokens.weight` (or with one equal to the target's) the
-head uses the target's embedding module; without `lm_head.weight` it inherits the target's lm_head.
+head uses the target's embedding module; without `lm_head.weight` it inherits the target's lm_head:
+the module itself where the draft vocabulary is the target's whole vocabulary in order, else a
+copy of the target's output rows of the draft vocabulary (arange + d2t), as heads trained with a
+frozen output layer are saved (`eaglespec train --lm-head target`).
 Every problem is a one-line `ModelLoadError` naming the file: config.json for configuration
 mismatches with the target, the weights file for tensor problems.
 """
@@ -37,12 +40,13 @@ from eaglespec.draft.config import (
     capture_origin,
     resolve_capture_layers,
 )
-from eaglespec.draft.eagle3 import Eagle3Head, weight_shape
+from eaglespec.draft.eagle3 import Eagle3Head
 from eaglespec.errors import InvalidRequestError, ModelLoadError
 from eaglespec.model.checkpoint import read_json_object
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
 from eaglespec.model.loader import parse_dtype, split_rows
+from eaglespec.model.quant import dense_weight
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _LAYER_NAME = re.compile(r"^(?:midlayer|midlayers\.(\d+)|layers\.(\d+))\.(.+)$")
@@ -219,17 +223,22 @@ def _build(
 ) -> Eagle3Head:
     own_embed = _own_embedding(cfg, found, target, file)
     own_lm = "lm_head.weight" in found or cfg.tie_word_embeddings
-    if not own_lm and (cfg.draft_vocab_size, cfg.hidden_size) != weight_shape(target.lm_head):
+    target_width = target.cfg.hidden_size  # what the target's output rows read
+    if not own_lm and cfg.hidden_size != target_width:
         raise ModelLoadError(
-            f"{file}: no lm_head.weight, and the target's lm_head {weight_shape(target.lm_head)} "
-            f"cannot serve a draft of vocab {cfg.draft_vocab_size} and width {cfg.hidden_size}"
+            f"{file}: no lm_head.weight, and the target's output rows (width {target_width}) "
+            f"cannot serve a draft of width {cfg.hidden_size}"
         )
-    if dtype != target.dtype and not (own_embed and own_lm):
+    d2t = _vocab_map(cfg, found, file)
+    # No lm_head of its own: the target's module where the draft vocabulary is all of it in
+    # order, else a copy of the target's rows of the draft vocabulary.
+    whole = cfg.draft_vocab_size == cfg.vocab_size and not bool(d2t.any())  # sync: once
+    share_lm = not own_lm and whole
+    if dtype != target.dtype and not (own_embed and not share_lm):
         raise InvalidRequestError(
             f"{file}: the draft shares the target's tensors, so it must use the target's dtype "
             f"{target.dtype}, not {dtype}"
         )
-    d2t = _vocab_map(cfg, found, file, inherited=not own_lm)
     sources = _sources(cfg, len(capture), own_embed, own_lm and not cfg.tie_word_embeddings)
     _check_layout(cfg, capture, found, sources, file)
     with torch.device("meta"):
@@ -237,11 +246,15 @@ def _build(
             cfg,
             len(capture),
             embed=None if own_embed else target.embed,
-            lm_head=None if own_lm else target.lm_head,
+            lm_head=target.lm_head if share_lm else None,
         )
     device = target.device
     state = _read_params(cfg, sources, dict(head.named_parameters()), found, dtype, file)
     state = {name: t.to(device) for name, t in state.items()} | {"d2t": d2t.to(device)}
+    if not own_lm and not share_lm:
+        ids = (torch.arange(cfg.draft_vocab_size) + d2t).to(device)  # (Vd,) target ids
+        state["lm_head.weight"] = dense_weight(target.lm_head)[ids].to(dtype)  # (Vd, C)
+        head.lm_head_is_target_rows = True
     head.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         head.lm_head.weight = head.embed.weight  # assign=True replaced the shared Parameter
@@ -326,7 +339,7 @@ def _own_embedding(
 
 
 def _vocab_map(
-    cfg: DraftConfig, found: dict[str, tuple[str, torch.Tensor]], file: Path, inherited: bool
+    cfg: DraftConfig, found: dict[str, tuple[str, torch.Tensor]], file: Path
 ) -> torch.Tensor:
     """The checked d2t offsets (Vd,) int64: arange + d2t must be distinct ids in [0, V)."""
     Vd, V = cfg.draft_vocab_size, cfg.vocab_size
@@ -359,8 +372,6 @@ def _vocab_map(
             f"{file}: d2t maps several draft ids to target id {int(ordered[int(dup[0, 0])])} "
             "(arange + d2t must be unique)"
         )
-    if inherited and bool(d2t.any()):
-        raise ModelLoadError(f"{file}: d2t is not the identity, but lm_head is the target's")
     return d2t
 
 
@@ -385,6 +396,10 @@ def _bytes(head: Eagle3Head, target: Transformer) -> tuple[int, int, tuple[str, 
             shared, own = (shared + size, own) if id(t) in theirs else (shared, own + size)
     modules = (("embed_tokens", head.embed), ("lm_head", head.lm_head))
     names = [n for n, m in modules if any(id(t) in theirs for t in (*m.parameters(), *m.buffers()))]
+    if head.lm_head_is_target_rows:  # a copy, but of the target's rows: not stored with the head
+        rows = sum(t.numel() * t.element_size() for t in head.lm_head.parameters())
+        own, shared = own - rows, shared + rows
+        names.append("lm_head rows")
     return own, shared, tuple(names)
 
 
@@ -436,7 +451,8 @@ def save_eagle3(
 
 def _native_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
     cfg = head.cfg
-    own_lm = not head.shares_lm_head and not cfg.tie_word_embeddings
+    stored_lm = not head.shares_lm_head and not head.lm_head_is_target_rows
+    own_lm = stored_lm and not cfg.tie_word_embeddings
     params = dict(head.named_parameters())
     out: dict[str, torch.Tensor] = {}
     for ours, names in _sources(cfg, head.num_aux, not head.shares_embed, own_lm).items():
@@ -445,7 +461,7 @@ def _native_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
             names, torch.split(t, split_rows(ours, t.shape[0], cfg)), strict=True
         ):
             out[_display(name, NATIVE)] = part.contiguous().cpu().clone()
-    if own_lm:
+    if own_lm or head.lm_head_is_target_rows:  # the rows' map, read back at load
         d2t = head.d2t.detach().cpu().clone()
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[torch.arange(cfg.draft_vocab_size) + d2t] = True

@@ -9,7 +9,7 @@ from pathlib import Path
 from eaglespec.cliargs import int_list
 from eaglespec.errors import InvalidRequestError
 from eaglespec.registry import DEFAULT_MODEL
-from eaglespec.train.pipeline import STAGES, PipelineConfig, run
+from eaglespec.train.pipeline import LM_HEADS, STAGES, PipelineConfig, run
 from eaglespec.train.regen import RegenConfig
 from eaglespec.train.synth import SynthConfig
 from eaglespec.train.trainer import TrainConfig
@@ -100,6 +100,20 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g = p.add_argument_group("head")
     g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size; 0 = full")
     g.add_argument("--capture", metavar="B1,B2,B3", help="boundary ids; default 2,N//2,N-3")
+    g.add_argument(
+        "--head-intermediate",
+        type=int,
+        metavar="N",
+        help="the head layer's MLP width (default: the target's)",
+    )
+    g.add_argument(
+        "--lm-head",
+        choices=LM_HEADS,
+        default="trained",
+        help="trained: the head's own output rows, starting from the target's; target: the "
+        "target's rows of the draft vocabulary, frozen and not stored with the head (a head a "
+        "fraction the size, e.g. for a large hidden size)",
+    )
     g.add_argument("--save-dtype", default="bfloat16")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=10)
@@ -164,6 +178,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             seed=args.seed,
         ),
         draft_vocab=args.draft_vocab,
+        head_intermediate=args.head_intermediate,
+        lm_head=args.lm_head,
         capture=tuple(int_list(args.capture, "--capture")) if args.capture else None,
         target_dtype=args.target_dtype,
         target_quant=args.target_quant,

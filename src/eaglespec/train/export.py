@@ -10,9 +10,12 @@ What carries over: the architecture flags (`norm_before_residual`, `fc_norm`, ..
 draft's own RoPE base, and the bookkeeping keys of a transformers config.json (`bos_token_id`,
 `eos_token_id`, `pad_token_id`, `initializer_range`, `use_cache`: the source's values, else the
 target tokenizer's ids, else null). What is dropped: an `embed_tokens` equal to the target's, and
-training-only `verifier_*` tensors. A speculators draft whose `norm_output: true` feeds the
-post-norm state back has no native form (native readers take `norm_output` as "final norm
-before lm_head"), so it is refused rather than written with a different meaning.
+training-only `verifier_*` tensors. What is added: a head whose output layer is the target's rows
+of its draft vocabulary (trained frozen, stored without them) gets those rows as its
+`lm_head.weight`, since the other readers take a reduced-vocabulary lm_head only from the file.
+A speculators draft whose `norm_output: true` feeds the post-norm state back has no native form
+(native readers take `norm_output` as "final norm before lm_head"), so it is refused rather than
+written with a different meaning.
 """
 
 from __future__ import annotations
@@ -125,6 +128,8 @@ def export_for_target(
     source = _read_source(folder)
     _check_out(folder, out)
     loaded = load_eagle3(folder, target, capture=capture)
+    loaded.head.lm_head_is_target_rows = False  # the rows go into the file (module doc)
+    shared = tuple(n for n in loaded.report.shared if n != "lm_head rows")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
@@ -151,9 +156,9 @@ def export_for_target(
         capture=loaded.capture,
         capture_origin=loaded.report.capture_origin,
         capture_written=_IDS_KEY in config or _IDS_KEY in config.get("eagle_config", {}),
-        shared=loaded.report.shared,
+        shared=shared,
         flags=tuple(k for k in _FLAG_KEYS if k in config),
-        notes=_reader_notes(loaded.config, config, len(loaded.capture), loaded.report.shared),
+        notes=_reader_notes(loaded.config, config, len(loaded.capture), shared),
         seconds=time.perf_counter() - start,
     )
 

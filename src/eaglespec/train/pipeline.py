@@ -65,6 +65,8 @@ class PipelineConfig:
     completions: int = 0  # "Complete the code I provided." over the target's own functions
     init_from: Path | None = None  # a head to continue training (weights; vocabulary rebuilt)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
+    head_intermediate: int | None = None  # the head's MLP width; None: the target's
+    lm_head: str = "trained"  # "target": the target's rows of the draft vocabulary, frozen
     capture: tuple[int, ...] | None = None  # boundary ids; default (2, N//2, N-3)
     # The target for answering, capture and the held-out evaluation, at the precision the
     # commands run it ("auto": a 4-bit GGUF as w4a8 in bf16), so the head learns the states and
@@ -200,7 +202,15 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     by_key = {k: s.sample(i) for s in shards for i, k in enumerate(s.keys)}
     train_f = [by_key[s.key] for s in train_s if s.key in by_key]
     held_f = [by_key[s.key] for s in held_s if s.key in by_key]
-    head = build_head(target, head_weight, vocab, len(capture), cfg.device)
+    head = build_head(
+        target,
+        head_weight,
+        vocab,
+        len(capture),
+        cfg.device,
+        intermediate_size=cfg.head_intermediate,
+        lm_head=cfg.lm_head,
+    )
     if init is not None:
         rows = init_head(head, init, capture)
         log(
@@ -257,12 +267,21 @@ def build_head(
     vocab: DraftVocab,
     num_aux: int,
     device: str,
+    *,
+    intermediate_size: int | None = None,
+    lm_head: str = "trained",
 ) -> Eagle3Head:
-    """A fresh fp32 head shaped like the target: the target's embedding (frozen, an fp32 copy),
-    lm_head initialised from the target's rows of the draft vocabulary and `norm` from the
-    target's final norm (the head starts out reading its state the way the target does)."""
+    """A fresh fp32 head shaped like the target (its MLP `intermediate_size` wide where given):
+    the target's embedding (frozen, an fp32 copy), lm_head initialised from the target's rows of
+    the draft vocabulary and `norm` from the target's final norm (the head starts out reading
+    its state the way the target does). `lm_head` "target" keeps those rows frozen: the head is
+    saved without them and gathers them from the target at load (a head a fraction the size)."""
+    if lm_head not in LM_HEADS:
+        raise InvalidRequestError(f"lm_head must be one of {', '.join(LM_HEADS)}, not {lm_head!r}")
     model = target.model
-    dcfg = DraftConfig.like_target(target.config, draft_vocab_size=len(vocab.ids))
+    dcfg = DraftConfig.like_target(
+        target.config, draft_vocab_size=len(vocab.ids), intermediate_size=intermediate_size
+    )
     embed = nn.Embedding(*model.embed.weight.shape).requires_grad_(False)
     embed.weight.data.copy_(model.embed.weight.detach().float())
     torch.manual_seed(0)
@@ -273,6 +292,9 @@ def build_head(
         head.lm_head.weight.copy_(head_weight[vocab.ids].float())
         head.norm.weight.copy_(model.norm.weight.detach().float())
         head.d2t.copy_(vocab.d2t)
+    if lm_head == "target":
+        head.lm_head.requires_grad_(False)
+        head.lm_head_is_target_rows = True
     return head
 
 
@@ -282,6 +304,9 @@ def check_init_capture(init: LoadedDraft, capture: Sequence[int]) -> None:
             f"--init-from: the head to continue captures layers {list(init.capture)}, this run "
             f"{list(capture)} (pass --capture to match)"
         )
+
+
+LM_HEADS = ("trained", "target")
 
 
 def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> int:
@@ -302,6 +327,8 @@ def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> in
         if not k.startswith(("embed.", "lm_head.")) and k != "d2t"
     }
     head.load_state_dict(own, strict=False)
+    if head.lm_head_is_target_rows:  # the target's rows, whatever the saved head held
+        return 0
     old_ids = (
         torch.arange(len(init.head.d2t)) + init.head.d2t.cpu()
     ).tolist()  # old row -> target id
