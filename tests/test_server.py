@@ -341,6 +341,74 @@ def test_fuzzed_completion_requests_never_500(client: TestClient, extra: dict) -
         assert r.json()["error"]["message"]
 
 
+# What strings can hold past ordinary text: any code point, control characters, and the lone
+# UTF-16 surrogates JSON's \uXXXX escapes can spell (not Unicode text: no tokenizer encodes them).
+_ODD_TEXT = st.text(
+    alphabet=st.one_of(
+        st.characters(exclude_categories=()),
+        st.integers(0xD800, 0xDFFF).map(chr),
+        st.integers(0, 0x1F).map(chr),
+    ),
+    max_size=8,
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    content=_ODD_TEXT,
+    system=_ODD_TEXT,
+    stop=_ODD_TEXT,
+    model=st.sampled_from([NAME, NAME + "\ud800"]),
+    parts=st.booleans(),
+    stream=st.booleans(),
+)
+def test_odd_text_in_every_string_field_never_500s(
+    client: TestClient, content: str, system: str, stop: str, model: str, parts: bool, stream: bool
+) -> None:
+    """Whatever the strings hold, the answer is a 200 or a 400 with an OpenAI error object that
+    names the field (a lone surrogate once reached the tokenizer: a bare 500)."""
+    user = [{"type": "text", "text": content}] if parts else content
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    body = {"model": model, "messages": messages, "max_tokens": 2, "stream": stream}
+    if stop:
+        body["stop"] = stop
+    raw = json.dumps(body)  # ensure_ascii: a lone surrogate goes out as its \uXXXX escape
+    r = client.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    lone = not _is_unicode_text(json.loads(raw))  # as the server reads it (pairs rejoin)
+    assert r.status_code == (400 if lone else 200), r.text
+    if lone:
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and "surrogate" in err["message"]
+        assert err["param"].split(".")[0] in ("model", "messages", "stop")
+
+
+def _is_unicode_text(value: object) -> bool:
+    """Every string in a decoded JSON value encodes as UTF-8 (holds no lone surrogate)."""
+    if isinstance(value, dict):
+        return all(_is_unicode_text(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_is_unicode_text(v) for v in value)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
+
+
+def test_a_body_that_is_not_utf8_is_an_openai_error(client: TestClient) -> None:
+    for raw in (b'{"model": "tiny", "prompt": "\xe9"}', b"\xff\xfe{}", b'{"prompt": "\xc3("}'):
+        r = client.post(
+            "/v1/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400, (raw, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
 def _events(got: list, n: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while len(got) < n:

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import GraftingProposer, NoDraft
@@ -72,6 +73,12 @@ class HTTPError(Exception):
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
         body = error_body(str(self), kind=kind, param=self.param, code=self.code)
         return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def _union_branch(loc: object) -> bool:
+    """pydantic's names for the branch of a union type a value failed ("str", "list[int]",
+    "function-after[...]"), which it puts in an error's location among the field names."""
+    return isinstance(loc, str) and ("[" in loc or loc in ("str", "int", "float", "bool"))
 
 
 def create_app(
@@ -127,14 +134,24 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        errors = e.errors()
+        # Our own checks (value errors) say more than the other branches of a union type.
+        first = next(
+            (x for x in errors if x.get("type") == "value_error"), errors[0] if errors else {}
+        )
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _union_branch(x)]
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {first.get('msg', '')}"
             return HTTPError(400, message, param=None).response()
         field = ".".join(loc) or None
-        detail = str(first.get("msg", "invalid value"))
+        detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
         return HTTPError(400, f"{field}: {detail}" if field else detail, param=field).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own (a body that is not UTF-8 JSON, an unknown path): OpenAI's error shape
+        message = "the body is not UTF-8 JSON" if e.status_code == 400 else str(e.detail)
+        return HTTPError(e.status_code, message).response()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -13,13 +13,31 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from eaglespec.config import SamplingParams
 from eaglespec.logprobs import MAX_TOP, TokenLogprob
 from eaglespec.tokenizer import Tokenizer
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def _unicode_text(value: str) -> str:
+    """JSON's \\uXXXX escapes can spell a lone UTF-16 surrogate (U+D800..U+DFFF), which is no
+    Unicode character: no tokenizer can encode it, and it would fail deep in generation. Refused
+    here, so the request gets a 400 naming the field."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(value[e.start])
+        raise ValueError(
+            f"holds a lone surrogate U+{bad:04X} at character {e.start}, which is not Unicode "
+            "text (pair it, or send the character itself)"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]  # a string the engine can encode
 
 
 class UnsupportedFieldError(ValueError):
@@ -39,7 +57,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Text
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -47,7 +65,7 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=16)] | None = None
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -85,7 +103,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | list[str] | list[list[int]]
+    prompt: Text | Annotated[list[int], Field(min_length=1)] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     echo: bool = False
@@ -104,14 +122,14 @@ class CompletionRequest(_Sampling):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
