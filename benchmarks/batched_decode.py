@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    llm = LLM(args.model, dtype="auto", quant="auto", progress=False)
+    llm = LLM(args.model, dtype="auto", quant="auto", draft="none", progress=False)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     times: dict[int, list[float]] = {b: [] for b in args.batches}
     for rep in range(args.repeats + 1):

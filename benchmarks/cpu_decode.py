@@ -77,7 +77,9 @@ def main() -> None:
     engines: dict[str, object] = {}
     for c in args.configs:
         dtype, quant, comp = c.split(":")
-        engines[c] = LLM(str(path), dtype=dtype, quant=quant, compile=comp, progress=False)
+        engines[c] = LLM(
+            str(path), dtype=dtype, quant=quant, compile=comp, draft="none", progress=False
+        )
     first = next(iter(engines.values()))
     assert isinstance(first, LLM)
     ids = first.encode(PROMPT)

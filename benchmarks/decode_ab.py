@@ -36,6 +36,8 @@ def main() -> None:
     head = packaged_head(args.model)
     # (a checkout from before prompt lookup was grafted in takes no lookup_tokens: --lookup 0)
     extra = {"lookup_tokens": args.lookup} if args.lookup else {}
+    # speculation off: generate() alone decodes plainly, with policy=spec it drafts the chain
+    extra |= {"speculation": "off"}
     llm = LLM(args.model, dtype="auto", quant="auto", progress=False, draft=str(head), **extra)
     ids = llm.encode(PROMPT)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)

@@ -77,11 +77,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     engine = {"dtype": args.dtype, "quant": args.quant, "compile": args.compile}
+    fixed = {"speculation": "on", "lookup_tokens": 0}  # the head alone, every round
 
     params = SamplingParams(max_tokens=args.max_tokens)
-    plain_llm = LLM(args.model, progress=False, **engine)
+    plain_llm = LLM(args.model, progress=False, draft="none", **engine)
     methods: dict[str, LLM] = {
-        f"chain-{k}": LLM(args.model, draft=args.draft, num_draft=k, progress=False, **engine)
+        f"chain-{k}": LLM(
+            args.model, draft=args.draft, num_draft=k, progress=False, **engine, **fixed
+        )
         for k in args.draft_tokens
     }
     if args.tree:
@@ -92,6 +95,7 @@ def main() -> None:
             tree=TreeConfig(depth=d, top_k=k, num_nodes=n),
             progress=False,
             **engine,
+            **fixed,
         )
     warm = plain_llm.encode("Hello")
     for llm in (plain_llm, *methods.values()):

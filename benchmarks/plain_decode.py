@@ -155,7 +155,7 @@ def main() -> None:
         llms, loads = {}, {}
         for quant in args.quant:
             t = time.perf_counter()
-            llms[quant] = LLM(str(path), dtype=dtype, quant=quant, progress=False)
+            llms[quant] = LLM(str(path), dtype=dtype, quant=quant, draft="none", progress=False)
             loads[quant] = time.perf_counter() - t
         t = time.perf_counter()
         if args.reference == "gguf":

@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    llm = LLM(args.model, dtype="auto", quant="auto", progress=False)
+    llm = LLM(args.model, dtype="auto", quant="auto", draft="none", progress=False)
     model = llm.model
     gen = torch.Generator().manual_seed(0)
     print(f"{args.model}, {llm.quant}, {torch.get_num_threads()} threads")

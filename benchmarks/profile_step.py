@@ -37,8 +37,10 @@ def main() -> None:
         quant=args.quant,
         compile=args.compile,
         progress=False,
-        draft=args.draft,
+        draft=args.draft or "none",
         num_draft=args.num_draft,
+        speculation="on",
+        lookup_tokens=0,
     )
     ids = list(range(100, 140))  # a 40-token prompt
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)

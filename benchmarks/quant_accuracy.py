@@ -111,11 +111,11 @@ def main() -> None:
     args = ap.parse_args()
 
     prompts = load_prompts(args.eval_dir, args.per_file)
-    ref = LLM(args.model, dtype="float32", progress=False)
+    ref = LLM(args.model, dtype="float32", quant="none", draft="none", progress=False)
     candidates = {}
     for spec in args.configs:
         dtype, quant = spec.split(":")
-        candidates[spec] = LLM(args.model, dtype=dtype, quant=quant, progress=False)
+        candidates[spec] = LLM(args.model, dtype=dtype, quant=quant, draft="none", progress=False)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=args.ignore_eos)
     print(f"model {ref.loaded.path.name}, {len(prompts)} prompts, torch {torch.__version__}")
 

@@ -60,7 +60,16 @@ def main() -> None:
     head = packaged_head(args.model)
     assert head is not None, f"no head ships for {args.model}"
     llms = {
-        k: LLM(args.model, dtype="auto", quant="auto", draft=str(head), num_draft=k, progress=False)
+        k: LLM(
+            args.model,
+            dtype="auto",
+            quant="auto",
+            draft=str(head),
+            num_draft=k,
+            speculation="on",
+            lookup_tokens=0,
+            progress=False,
+        )  # fmt: skip
         for k in args.chains
     }
     plain_llm = llms[args.chains[0]]

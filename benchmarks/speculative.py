@@ -46,7 +46,7 @@ def main() -> None:
 
     questions = load_questions(args.questions, args.limit)
     params = SamplingParams(max_tokens=args.max_tokens)
-    base = LLM(args.model, dtype=args.dtype, quant=args.quant, progress=False)
+    base = LLM(args.model, dtype=args.dtype, quant=args.quant, draft="none", progress=False)
     prompts = [base.encode(q) for _, q in questions]
     base.generate([prompts[0]], SamplingParams(max_tokens=8))  # warm-up
     plain = [base.generate([p], params)[0] for p in prompts]
@@ -61,6 +61,8 @@ def main() -> None:
             method=method,
             draft=args.draft_model if method == "draft-model" else None,
             num_draft=args.draft_tokens,
+            speculation="on",
+            lookup_tokens=0,
         )
         llm.generate([prompts[0]], SamplingParams(max_tokens=8))  # warm-up
         rows.append((method, [llm.generate([p], params)[0] for p in prompts]))

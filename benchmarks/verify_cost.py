@@ -50,7 +50,10 @@ def main() -> None:
     if args.no_attention_kernel:  # before any forward is traced: graphs keep what they saw
         cpu_attention.fits = lambda q, k: False
 
-    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, compile=args.compile, progress=False)
+    llm = LLM(
+        args.model, dtype=args.dtype, quant=args.quant, compile=args.compile, draft="none",
+        progress=False,
+    )  # fmt: skip
     model = llm.model
     L = model.cfg.num_layers
     capture = (2, L // 2, L - 3)

@@ -92,9 +92,8 @@ def default_plain():
     from eaglespec import LLM
     from eaglespec.registry import pull
 
-    return LLM(
-        str(pull("smollm2-135m", progress=False)), dtype="auto", quant="auto", progress=False
-    )
+    path = pull("smollm2-135m", progress=False)
+    return LLM(str(path), dtype="auto", quant="auto", draft="none", progress=False)
 
 
 @pytest.fixture(autouse=True)

@@ -26,6 +26,7 @@ def tiny_adaptive_llm(folder: Path, compile: str = "none") -> LLM:
         tree=TINY_TREE,
         compile=compile,
         speculation="adaptive",
+        lookup_tokens=0,
     )
 
 

@@ -38,19 +38,25 @@ def test_pull_list(capsys) -> None:
     assert "smollm2-135m" in out and "qwen2.5-coder-1.5b" in out
 
 
-def test_method_eagle3_alone_uses_the_shipped_head(tiny_hf_folder: Path) -> None:
-    from eaglespec.cliargs import method_and_draft
+def test_method_defaults_draft_with_the_shipped_head(tiny_hf_folder: Path) -> None:
+    """What runs when the user leaves method, draft or lookup unset (LLM and every command):
+    eagle3 with the head shipped for the model, prompt lookup grafted in; plain decoding for a
+    model no head ships for; `--draft none` for none."""
     from eaglespec.heads import packaged_head
+    from eaglespec.methods import DEFAULT_LOOKUP_TOKENS, resolve_method
 
     head = packaged_head("smollm2-135m")
     assert head is not None and (head / "config.json").is_file()
-    assert method_and_draft("smollm2-135m", "eagle3", None) == ("eagle3", str(head))
-    assert method_and_draft("/x/SmolLM2-135M-Instruct.Q4_1.gguf", "eagle3", None)[1] == str(head)
-    assert method_and_draft("smollm2-135m", None, None) == ("none", None)  # plain by default
-    assert method_and_draft("smollm2-135m", "eagle3", "none") == ("eagle3", None)
-    assert method_and_draft("smollm2-135m", None, "none") == ("none", None)
-    assert method_and_draft("smollm2-135m", "lookup", None) == ("lookup", None)
-    assert method_and_draft(str(tiny_hf_folder), None, None) == ("none", None)
+    shipped = ("eagle3", str(head), DEFAULT_LOOKUP_TOKENS)
+    assert resolve_method("smollm2-135m", None, None, None) == shipped
+    assert resolve_method("smollm2-135m", "eagle3", None, None) == shipped
+    assert resolve_method("/x/SmolLM2-135M-Instruct.Q4_1.gguf", None, None, None) == shipped
+    assert resolve_method("smollm2-135m", None, None, 0) == ("eagle3", str(head), 0)
+    assert resolve_method("smollm2-135m", "eagle3", "none", None) == ("eagle3", None, 4)
+    assert resolve_method("smollm2-135m", None, "none", None) == ("none", None, 0)
+    assert resolve_method("smollm2-135m", "lookup", None, None) == ("lookup", None, 0)
+    assert resolve_method("smollm2-135m", None, "random", None) == ("eagle3", "random", 4)
+    assert resolve_method(str(tiny_hf_folder), None, None, None) == ("none", None, 0)
 
 
 @pytest.mark.parametrize("command", ["train", "export"])

@@ -41,7 +41,7 @@ def test_methods_equal_plain_greedy(tiny_hf_folder: Path, plain, kwargs) -> None
     sibling before each right token): accepted runs through LLM.generate, chain and tree."""
     if kwargs.get("draft") == "SELF":
         kwargs = {**kwargs, "draft": str(tiny_hf_folder)}
-    llm = LLM(str(tiny_hf_folder), progress=False, num_draft=3, **kwargs)
+    llm = LLM(str(tiny_hf_folder), progress=False, num_draft=3, speculation="on", **kwargs)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, chat=False)
     assert [o.token_ids for o in outs] == plain

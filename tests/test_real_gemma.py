@@ -39,7 +39,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(str(pull("gemma3-270m", progress=False)), dtype="auto", quant="auto", progress=False)
+    path = pull("gemma3-270m", progress=False)
+    return LLM(str(path), dtype="auto", quant="auto", draft="none", progress=False)
 
 
 @pytest.fixture(scope="module")

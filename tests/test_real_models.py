@@ -52,7 +52,7 @@ def gguf_path(name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(gguf_path: Path) -> LLM:
-    return LLM(str(gguf_path), progress=False)
+    return LLM(str(gguf_path), dtype="float32", quant="none", draft="none", progress=False)
 
 
 @pytest.fixture(scope="module")

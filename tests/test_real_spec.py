@@ -26,7 +26,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(str(pull("smollm2-135m", progress=False)), progress=False)
+    path = pull("smollm2-135m", progress=False)
+    return LLM(str(path), dtype="float32", quant="none", draft="none", progress=False)
 
 
 @pytest.mark.parametrize("proposer_kind", ["random-head", "oracle"])

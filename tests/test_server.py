@@ -34,6 +34,7 @@ def llm(tiny_hf_folder: Path) -> LLM:
         draft="random",
         num_draft=3,
         speculation="adaptive",
+        lookup_tokens=0,
     )
 
 

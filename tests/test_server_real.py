@@ -31,7 +31,10 @@ def llm() -> LLM:
     path = pull(NAME, progress=False)
     head = packaged_head(NAME)
     assert head is not None
-    return LLM(str(path), progress=False, method="eagle3", draft=str(head), speculation="adaptive")
+    return LLM(
+        str(path), dtype="float32", quant="none", progress=False, method="eagle3", draft=str(head),
+        speculation="adaptive", lookup_tokens=0,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = load_llm(args, progress=True, default_method="eagle3")
+    llm = load_llm(args, progress=True)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -91,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.repetition_penalty != 1 and args.method is None and args.draft is None:
         args.draft = "none"  # the penalty needs plain decoding; only an explicit draft refuses
-    llm = load_llm(args, progress=not args.json, default_method="eagle3")
+    llm = load_llm(args, progress=not args.json)
 
     def say(line: str) -> None:
         if not args.json:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
-from eaglespec.heads import packaged_head
 from eaglespec.methods import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_TOKENS, METHODS
 from eaglespec.model.llama import COMPILE_MODES
 from eaglespec.model.precision import AUTO
@@ -126,22 +125,15 @@ def add_speculation_args(p: argparse.ArgumentParser, *, default_method: str = "n
     )
 
 
-def load_llm(args: argparse.Namespace, *, progress: bool, default_method: str = "none") -> LLM:
-    """The model and draft the shared options name (threads set first)."""
+def load_llm(args: argparse.Namespace, *, progress: bool) -> LLM:
+    """The model and draft the shared options name (threads set first); what they leave unset
+    is LLM's default, the commands' own (methods.resolve_method)."""
     import torch
 
     from eaglespec.llm import LLM  # torch-heavy imports only for commands that need them
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    method = args.method
-    if method is None and args.draft is None:  # the command's default, eagle3 if a head ships
-        shipped = default_method != "eagle3" or packaged_head(args.model) is not None
-        method = default_method if shipped else "none"
-    method, draft = method_and_draft(args.model, method, args.draft)
-    lookup = args.lookup_tokens
-    if lookup is None:
-        lookup = DEFAULT_LOOKUP_TOKENS if method == "eagle3" else 0
     return LLM(
         args.model,
         dtype=args.dtype,
@@ -149,13 +141,13 @@ def load_llm(args: argparse.Namespace, *, progress: bool, default_method: str = 
         quant=args.quant,
         compile=args.compile,
         progress=progress,
-        method=method,
-        draft=draft,
+        method=args.method,
+        draft=args.draft,
         num_draft=args.draft_tokens,
         tree=tree_config(args.tree, "--tree") if args.tree else None,
         capture=int_list(args.capture, "--capture") if args.capture else None,
         speculation=args.speculation,
-        lookup_tokens=lookup,
+        lookup_tokens=args.lookup_tokens,
     )
 
 
@@ -164,17 +156,3 @@ def precision_line(llm: LLM) -> str:
     p = llm.loaded.precision
     why = f" (auto: {p.reason})" if p.reason else ""
     return f"[{llm.loaded.path.name}: {p.dtype}, quant {p.quant}{why}]"
-
-
-def method_and_draft(model: str, method: str | None, draft: str | None) -> tuple[str, str | None]:
-    """`--method eagle3` without --draft drafts with the EAGLE-3 head shipped for the model
-    (heads/). With neither flag this gives plain decoding; the commands' own default (eagle3
-    with the shipped head under adaptive speculation, which drafts only when measured rounds
-    say it pays) is applied before this, in `load_llm`."""
-    if draft == "none":
-        return method or "none", None
-    if draft is None and method == "eagle3":
-        head = packaged_head(model)
-        if head is not None:
-            return "eagle3", str(head)
-    return method or ("eagle3" if draft else "none"), draft

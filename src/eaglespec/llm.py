@@ -11,7 +11,7 @@ from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
 from eaglespec.draft.base import GraftingProposer, Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
-from eaglespec.methods import compile_proposer, make_proposer
+from eaglespec.methods import compile_proposer, make_proposer, resolve_method
 from eaglespec.model.llama import Transformer, check_compile_mode
 from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.policy import DraftChoice, DraftPolicy, ScriptedDraft, make_policy
@@ -45,9 +45,9 @@ class LLM:
         self,
         model: str = DEFAULT_MODEL,
         *,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         device: str = "cpu",
-        quant: str = "none",
+        quant: str = "auto",
         compile: str = "none",
         progress: bool = True,
         method: str | None = None,
@@ -55,24 +55,32 @@ class LLM:
         num_draft: int = 4,
         tree: TreeConfig | None = None,
         capture: Sequence[int] | None = None,
-        speculation: str = "on",
-        lookup_tokens: int = 0,
+        speculation: str = "adaptive",
+        lookup_tokens: int | None = None,
     ) -> None:
-        """Speculative decoding: `method` "eagle3" (with `draft` an EAGLE-3 checkpoint folder, or
-        "random" for a seeded random head, which tests the mechanics but accepts little),
-        "draft-model" (`draft` a smaller model with the same tokenizer), "lookup" (prompt
-        n-grams) or "none". Default: "eagle3" when `draft` is given, else "none". `num_draft`
-        tokens per round in a chain, or an EAGLE-2 tree of shape `tree` (eagle3 only);
-        `capture` overrides the head's target layers (boundary indices). `speculation` "on"
-        drafts that shape every round, "adaptive" picks each round's chain length (or the tree)
-        from measured round times and observed acceptance (policy.py; the policy lives with
-        this LLM and keeps learning across calls), "off" decodes plainly. `lookup_tokens` > 0
-        (eagle3): each round also verifies up to that many prompt-lookup tokens where the
-        context repeats its last tokens (draft/hybrid.py)."""
+        """The defaults are the commands' (`eaglespec generate`): the model at its file's own
+        precision (`dtype` and `quant` "auto": a 4-bit GGUF as w4a8 in bf16 on a CPU with the
+        kernel, else as stored; model/precision.py), drafting with the EAGLE-3 head shipped for
+        it (if one ships) under adaptive speculation, with prompt lookup grafted in. For the
+        exact model decoding plainly: `dtype="float32", quant="none", draft="none"`.
+
+        Speculative decoding: `method` "eagle3" (with `draft` an EAGLE-3 checkpoint folder, or
+        "random" for a seeded random head, which tests the mechanics but accepts little; without
+        one, the shipped head), "draft-model" (`draft` a smaller model with the same tokenizer),
+        "lookup" (prompt n-grams) or "none"; `draft` "none": no draft (methods.resolve_method).
+        `num_draft` tokens per round in a chain, or an EAGLE-2 tree of shape `tree` (eagle3
+        only); `capture` overrides the head's target layers (boundary indices). `speculation`
+        "on" drafts that shape every round, "adaptive" picks each round's chain length (or the
+        tree) from measured round times and observed acceptance (policy.py; the policy lives
+        with this LLM and keeps learning across calls), "off" decodes plainly. `lookup_tokens`
+        (eagle3; default DEFAULT_LOOKUP_TOKENS, 0 for none): each round also verifies up to
+        that many prompt-lookup tokens where the context repeats its last tokens
+        (draft/hybrid.py)."""
+        method, draft, lookup_tokens = resolve_method(model, method, draft, lookup_tokens)
         self.loaded: LoadedModel = load_model(
             resolve_model(model, progress=progress), dtype=dtype, device=device, quant=quant
         )
-        self.method = method or ("eagle3" if draft else "none")
+        self.method = method
         self.draft, self.compile = draft, compile
         self.quant = self.loaded.precision.quant  # "auto" resolved
         self.num_draft = num_draft

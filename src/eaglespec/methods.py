@@ -13,6 +13,7 @@ from eaglespec.draft.loader import load_eagle3, random_eagle3
 from eaglespec.draft.lookup import PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.errors import InvalidRequestError
+from eaglespec.heads import packaged_head
 from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.model.quant import quantize_model
 from eaglespec.registry import resolve_model
@@ -21,6 +22,27 @@ METHODS = ("eagle3", "draft-model", "lookup", "none")
 # Prompt-lookup tokens the commands graft into an EAGLE-3 head's rounds (BENCHMARKS.md, "Prompt
 # lookup inside EAGLE-3's rounds")
 DEFAULT_LOOKUP_TOKENS = 4
+
+
+def resolve_method(
+    model: str, method: str | None, draft: str | None, lookup_tokens: int | None
+) -> tuple[str, str | None, int]:
+    """(method, draft, lookup tokens) from what the user gave; None is the default. With neither
+    a method nor a draft: EAGLE-3 with the head shipped for the model (heads/) where one ships,
+    else plain decoding. `method` "eagle3" without a draft takes the shipped head too; `draft`
+    "none" means no draft. Lookup tokens default to DEFAULT_LOOKUP_TOKENS with eagle3, else 0."""
+    if draft == "none":
+        method, draft = method or "none", None
+    elif draft is None and method in (None, "eagle3"):
+        head = packaged_head(model)
+        if head is not None:
+            method, draft = "eagle3", str(head)
+    method = method or ("eagle3" if draft else "none")
+    if lookup_tokens is None:
+        lookup_tokens = DEFAULT_LOOKUP_TOKENS if method == "eagle3" else 0
+    return method, draft, lookup_tokens
+
+
 # Draft tokens a chain may have at most (the adaptive policy's longest arm), --draft-tokens
 DEFAULT_DRAFT_TOKENS = 4
 

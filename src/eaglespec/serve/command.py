@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag in ("port", "prefill_chunk") else 1):
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    llm = load_llm(args, progress=True, default_method="eagle3")
+    llm = load_llm(args, progress=True)
     print(precision_line(llm), file=sys.stderr)
     if llm.draft_report:
         print(f"[{llm.method}: {llm.draft_report}]", file=sys.stderr)
