@@ -181,5 +181,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         )
     skipped = sum(1 for o, _ in outcomes.values() if o == "skipped")
     if skipped:
-        tr.write_line(f"{skipped} tests skipped here; each with its reason in the short test summary (-ra)")
+        tr.write_line(
+            f"{skipped} tests skipped here; each with its reason in the short test summary (-ra)"
+        )
     tr.write_line(f"test time: {sum(t for _, t in outcomes.values()):.0f} s")
