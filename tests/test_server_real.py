@@ -11,12 +11,11 @@ import threading
 import httpx
 import pytest
 
-from eaglespec import LLM, SamplingParams
-from eaglespec.generate import generate_stream
+from commands import plain_output, plain_text
+from eaglespec import LLM
 from eaglespec.heads import packaged_head
 from eaglespec.methods import DEFAULT_LOOKUP_TOKENS
 from eaglespec.registry import pull
-from eaglespec.requests import collect_outputs
 from eaglespec.serve.app import ServeOptions, create_app
 from server_fixtures import running_server
 
@@ -39,16 +38,13 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def llm_default() -> LLM:
-    """As `eaglespec serve` loads the model by default: the GGUF's own precision (bf16 w4a8 on
-    a CPU with the kernels), the shipped head with prompt lookup grafted into its rounds,
-    adaptive speculation."""
-    path = pull(NAME, progress=False)
-    head = packaged_head(NAME)
-    assert head is not None
-    return LLM(
-        str(path), dtype="auto", quant="auto", progress=False, method="eagle3", draft=str(head),
-        speculation="adaptive", lookup_tokens=DEFAULT_LOOKUP_TOKENS,
-    )  # fmt: skip
+    """As `eaglespec serve` loads the model by default (LLM's defaults are the commands'): the
+    GGUF's own precision (bf16 w4a8 on a CPU with the kernels), the shipped head with prompt
+    lookup grafted into its rounds, adaptive speculation."""
+    llm = LLM(str(pull(NAME, progress=False)), progress=False)
+    assert llm.draft == str(packaged_head(NAME)) and llm.lookup_tokens == DEFAULT_LOOKUP_TOKENS
+    assert llm.speculation == "adaptive"
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +59,6 @@ def client(server: str):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
 
-def _plain(llm: LLM, ids: list[int], params: SamplingParams):
-    return collect_outputs(generate_stream(llm.model, llm.tokenizer, [ids], [params]))[0]
-
-
 def test_models_and_health(client, server: str) -> None:
     assert [m.id for m in client.models.list().data] == [NAME]
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
@@ -76,7 +68,7 @@ def test_chat_equals_plain_generate(client, llm: LLM) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
     ids = llm.tokenizer.encode_chat(messages)
-    want = _plain(llm, ids, SamplingParams(max_tokens=24))
+    want = plain_output(llm, ids, 24)
     assert r.choices[0].message.content == want.text
     assert r.choices[0].finish_reason == want.finish_reason
     assert r.usage.prompt_tokens == len(ids)
@@ -154,7 +146,7 @@ def test_sixteen_concurrent_streams_equal_their_solo_runs(
     total = 0
     for i in range(16):
         ids = llm.tokenizer.encode_chat([{"role": "user", "content": questions[i]}])
-        want = _plain(llm, ids, SamplingParams(max_tokens=lengths[i]))
+        want = plain_output(llm, ids, lengths[i])
         assert "".join(got[i]) == want.text, i
         total += len(want.token_ids)
     finished = sum(
@@ -204,4 +196,4 @@ def test_prompts_past_the_prefill_chunk_are_answered_as_alone(llm_default: LLM) 
     for i, msgs in enumerate(prompts):
         ids = llm_default.tokenizer.encode_chat(msgs)
         assert len(ids) > 400, len(ids)  # two or three chunks of 256
-        assert got[i] == _plain(llm_default, ids, SamplingParams(max_tokens=40)).text, i
+        assert got[i] == plain_text(llm_default, ids, 40), i
