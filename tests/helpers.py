@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
-from eaglespec.config import ModelConfig, TreeConfig
+from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
+from eaglespec.generate import generate_stream
 from eaglespec.llm import LLM
 from eaglespec.model.llama import Transformer
+from eaglespec.requests import collect_outputs
 
 TINY_TREE = TreeConfig(depth=2, top_k=2, num_nodes=3)
 
@@ -104,3 +106,30 @@ def step_positions(lengths: list[int], mask: torch.Tensor | None, num_new: int) 
     siblings 1) under a tree mask."""
     depth = torch.tensor([0, 1, 1])[:num_new] if mask is not None else torch.zeros(1)
     return torch.tensor(lengths)[:, None] + depth.long()[None]
+
+
+def _first_lap(tokens: list[int]) -> int:
+    """End of the first full lap of an eventually periodic sequence: the cycle starts at p with
+    period c, so tokens[: p + c] holds one whole lap."""
+    for c in range(1, len(tokens) // 2):
+        if all(tokens[j] == tokens[j + c] for j in range(len(tokens) - 2 * c, len(tokens) - c)):
+            p = len(tokens) - 2 * c
+            while p > 0 and tokens[p - 1] == tokens[p - 1 + c]:
+                p -= 1
+            return p + c
+    raise AssertionError(f"no cycle in {tokens}")
+
+
+def cycling_target(prompts: list[list[int]], vocab: int) -> tuple[Transformer, list[list[int]]]:
+    """A target whose attention is zeroed: each next token depends on the current token only, so
+    greedy decoding follows a map on the vocabulary and falls into a cycle. The returned prompts
+    hold one lap of it, so the latest earlier occurrence of any suffix is followed by the right
+    tokens (prompt lookup is always right)."""
+    bigram = tiny_target(5, vocab=vocab, layers=2)
+    with torch.no_grad():
+        for block in bigram.layers:
+            block.attn.wo.weight.zero_()
+    params = [SamplingParams(max_tokens=60, ignore_eos=True) for _ in prompts]
+    plain = collect_outputs(generate_stream(bigram, NullTokenizer(), prompts, params))
+    laps = [p + o.token_ids[: _first_lap(o.token_ids)] for p, o in zip(prompts, plain, strict=True)]
+    return bigram, laps

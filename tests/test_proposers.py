@@ -24,7 +24,7 @@ from eaglespec.errors import ModelLoadError
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import RequestOutput, collect_outputs
-from helpers import NullTokenizer, tiny_target
+from helpers import NullTokenizer, cycling_target, tiny_target
 
 V = 96
 PROMPTS = [[5, 17, 33, 2, 8, 5, 17], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
@@ -131,38 +131,9 @@ def test_lookup_is_lossless(target: Transformer, k: int) -> None:
     _assert_lossless(target, PromptLookupProposer(), k)
 
 
-def _first_lap(tokens: list[int]) -> int:
-    """End of the first full lap of an eventually periodic sequence: the cycle starts at p with
-    period c, so tokens[: p + c] holds one whole lap."""
-    for c in range(1, len(tokens) // 2):
-        if all(tokens[j] == tokens[j + c] for j in range(len(tokens) - 2 * c, len(tokens) - c)):
-            p = len(tokens) - 2 * c
-            while p > 0 and tokens[p - 1] == tokens[p - 1 + c]:
-                p -= 1
-            return p + c
-    raise AssertionError(f"no cycle in {tokens}")
-
-
-def _cycling() -> tuple[Transformer, list[list[int]]]:
-    """Attention zeroed: each next token depends on the current token only, so greedy decoding
-    follows a map on 96 tokens and falls into a cycle. The prompts hold one lap of it, so the
-    latest earlier occurrence of any suffix is followed by the right tokens."""
-    bigram = tiny_target(5, vocab=V, layers=2)
-    with torch.no_grad():
-        for block in bigram.layers:
-            block.attn.wo.weight.zero_()
-    plain = collect_outputs(
-        generate_stream(bigram, NullTokenizer(), PROMPTS, _params([60, 60, 60]))
-    )
-    prompts = [
-        p + o.token_ids[: _first_lap(o.token_ids)] for p, o in zip(PROMPTS, plain, strict=True)
-    ]
-    return bigram, prompts
-
-
 @pytest.mark.parametrize("k", [1, 4])
 def test_lookup_accepts_a_repeating_pattern(k: int) -> None:
-    bigram, prompts = _cycling()
+    bigram, prompts = cycling_target(PROMPTS, V)
     spec = _assert_lossless(bigram, PromptLookupProposer(), k, prompts, _params([25, 30, 31]))
     for out in spec:
         assert out.stats.accepted_tokens == out.stats.draft_tokens == k * out.stats.rounds
@@ -193,7 +164,7 @@ def test_hybrid_accepts_what_the_context_repeats(k: int, tree: TreeConfig | None
     # On a cycle lookup is always right: each round accepts the head's drafts that happen to be
     # right and then the whole graft of 3, whatever the random head drafted. Alone the head
     # accepts next to nothing.
-    bigram, prompts = _cycling()
+    bigram, prompts = cycling_target(PROMPTS, V)
     params = _params([25, 30, 31])
     head = Eagle3Proposer(random_eagle3(bigram, seed=3), (1, 2, 2))
     alone = _assert_lossless(bigram, head, k, prompts, params, tree)

@@ -28,8 +28,10 @@ from eaglespec.logprobs import TokenLogprob, to_host, token_logprobs
 from eaglespec.model.llama import ForwardOutput, Transformer
 from eaglespec.policy import DraftChoice, DraftPolicy, FixedDraft
 from eaglespec.requests import (
+    Provenance,
     RequestState,
     StreamEvent,
+    TokenMark,
     account_time,
     append_token,
     new_states,
@@ -81,6 +83,7 @@ class RoundOutput:
     tokens: list[list[int]]  # per row: the accepted draft tokens, then the next root
     draft_seconds: float  # proposing, plus the draft's catch-up after verification
     verify_seconds: float  # the target's forward, verification and the round's host sync
+    sources: list[list[str]]  # per row, one requests.SOURCES entry per `tokens` entry
     logprobs: list[list[TokenLogprob]] | None = None  # per row, one per `tokens` entry
 
 
@@ -227,9 +230,8 @@ class BatchRunner:
         for row, seq in enumerate(seqs):
             seq.started = prefill.started
             account_time(seq.out.stats, prefill.started, now)
-            event = _emit(
-                seq, [first[row]], self.eos, self.limit, None if lps is None else lps[row]
-            )
+            row_lps = None if lps is None else lps[row]
+            event = _emit(seq, [first[row]], self.eos, self.limit, row_lps, ["target"], 0, 0)
             events.append(event)
             if event.output is None:
                 keep.append(row)
@@ -264,7 +266,16 @@ class BatchRunner:
             )
             account_time(seq.out.stats, seq.started, now)
             lps = None if result.logprobs is None else result.logprobs[row]
-            event = _emit(seq, result.tokens[row], self.eos, self.limit, lps)
+            event = _emit(
+                seq,
+                result.tokens[row],
+                self.eos,
+                self.limit,
+                lps,
+                result.sources[row],
+                result.drafted,
+                result.accepted[row],
+            )
             events.append(event)
             if event.output is None:
                 keep.append(row)
@@ -382,6 +393,7 @@ def speculate_round(
         roots = batch.roots  # (B,)
         drafts = proposer.propose(batch.draft, k) if k else roots.new_empty(len(roots), 0)
         drafted = chain_tree(roots, drafts)
+    own_nodes = drafted.tokens.shape[1]  # nodes past these are grafted (prompt lookup's)
     if isinstance(proposer, GraftingProposer):
         drafted = proposer.graft(batch.draft, drafted, room)
     clock.mark()
@@ -396,13 +408,25 @@ def speculate_round(
     result = _verify(drafted, out.logits, batch.st, batch.generators)
     nodes = result.path.clamp(min=0)  # (B, D + 1) root, accepted nodes, then node 0 as padding
     path_tokens = torch.gather(drafted.tokens, 1, nodes)  # (B, D + 1)
-    host = torch.cat([result.num_accepted[:, None], result.next_token[:, None], path_tokens], 1)
-    rows = host.tolist()  # sync: the round's tokens, once for all rows
+    grafted = nodes[:, 1:] >= own_nodes  # (B, D) accepted nodes the lookup drafted
+    host = torch.cat(
+        [
+            result.num_accepted[:, None],
+            result.next_token[:, None],
+            path_tokens,
+            result.bonus[:, None].long(),
+            grafted.long(),
+        ],
+        1,
+    )  # (B, 2 + (D + 1) + 1 + D)
+    rows = host.tolist()  # sync: the round's tokens and their sources, once for all rows
     accepted = [r[0] for r in rows]
+    D = drafted.max_depth
     if not batch.st.all_greedy and drafted.draft_probs is None:
         # the verifier peeked at each row's uniforms: use up one per emitted token (verify.py)
         RowRandom(batch.generators).advance([a + 1 for a in accepted])
     tokens = [r[3 : 3 + r[0]] + [r[1]] for r in rows]
+    sources = [_sources(r[0], D, bool(r[D + 3]), r[D + 4 : D + 4 + r[0]]) for r in rows]
     lps = None
     if any(t is not None for t in logprobs):
         lps = _round_logprobs(out.logits, result, path_tokens, tokens, logprobs)
@@ -416,7 +440,15 @@ def speculate_round(
     batch.roots = result.next_token
     clock.mark()
     propose, verify, catch_up = clock.spans()
-    return RoundOutput(drafted.max_depth, accepted, tokens, propose + catch_up, verify, lps)
+    return RoundOutput(D, accepted, tokens, propose + catch_up, verify, sources, lps)
+
+
+def _sources(accepted: int, depth: int, bonus: bool, grafted: list[int]) -> list[str]:
+    """requests.SOURCES of a row's round tokens: its accepted drafts, then the target's token."""
+    drafts = ["lookup" if g else "draft" for g in grafted[:accepted]]
+    if depth == 0:
+        return drafts + ["target"]
+    return drafts + ["bonus" if bonus else "corrected"]
 
 
 def _round_logprobs(
@@ -478,19 +510,29 @@ def _emit(
     eos: set[int],
     limit: int,
     logprobs: list[TokenLogprob] | None,
+    sources: list[str],  # one requests.SOURCES entry per token
+    drafted: int,
+    accepted: int,
 ) -> StreamEvent:
     """Append a round's tokens in order, stopping at the first that finishes the request."""
     text, new_ids = "", []
     new_lps: list[TokenLogprob] | None = None if seq.out.logprobs is None else []
+    marks: list[TokenMark] = []
     event = None
     for j, tid in enumerate(tokens):
         full = len(seq.out.prompt_token_ids) + len(seq.out.token_ids) + 1 >= limit
         event = append_token(seq, tid, eos, full, None if logprobs is None else logprobs[j])
         text += event.text
         new_ids += event.token_ids
+        if event.token_ids:
+            marks.append(TokenMark(event.text, sources[j]))
+        elif event.text:  # an EOS releasing held-back text: it belongs to the tokens before
+            last = marks.pop() if marks else TokenMark("", sources[j])
+            marks.append(TokenMark(last.text + event.text, last.source))
         if new_lps is not None and event.logprobs:
             new_lps += event.logprobs
         if event.output is not None:
             break
     assert event is not None
-    return StreamEvent(event.index, text, new_ids, event.output, new_lps)
+    provenance = Provenance(drafted, accepted, marks)
+    return StreamEvent(event.index, text, new_ids, event.output, new_lps, provenance)

@@ -83,6 +83,33 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
+# How a generated token landed (`Provenance.tokens`):
+SOURCES = (
+    "draft",  # the proposer drafted it (an EAGLE-3 head, a draft model) and the target accepted it
+    "lookup",  # prompt lookup copied it from the context into the head's tree, and it was accepted
+    "bonus",  # the target's own token after every draft on the path was accepted
+    "corrected",  # the target's own token where it rejected the draft
+    "target",  # the target's own token in a round without drafts (prefill, a plain step)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMark:
+    text: str  # the text this token released (StreamEvent.text split by token)
+    source: str  # one of SOURCES
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """One event's tokens by how they landed: a speculation round's accepted drafts, then the
+    target's own token. The marks' texts concatenate to the event's text; text released by a
+    token that is not kept (an EOS flushing held-back text) joins the mark before it."""
+
+    drafted: int  # draft positions the round offered (chain length or tree depth; 0 = none)
+    accepted: int  # of them accepted (the round's first `accepted` marks, when all were kept)
+    tokens: list[TokenMark]
+
+
 @dataclass
 class StreamEvent:
     index: int  # which request
@@ -90,6 +117,7 @@ class StreamEvent:
     token_ids: list[int]  # newly generated ids
     output: RequestOutput | None = None  # set on the request's last event
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    provenance: Provenance | None = None  # speculative generation's events (engine.py)
 
 
 @dataclass
