@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install eaglespec (editable) with its dependencies; `--test` adds the test dependencies.
+# Install eaglespec (editable) with its dependencies; `--test` adds the test dependencies, and
+# Chromium with its driver from the distribution's packages (Debian/Ubuntu, as root) for the chat
+# page's browser test, which skips and says why where they cannot be installed.
 #
 # torch comes first: where this machine offers the exact local CPU build (torch==2.13.0) it is
 # installed before anything else, so that eaglespec's loose `torch` requirement is already met and
@@ -18,3 +20,15 @@ if ! python -c "import torch" 2>/dev/null; then
         || echo "setup: torch==2.13.0 is not available here; pip will pick torch for this platform"
 fi
 python -m pip install -q -e ".${extras}"
+
+if [ -n "$extras" ] && ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Chromium for the chat page's browser test (apt-get)"
+        export DEBIAN_FRONTEND=noninteractive
+        apt_install() { apt-get install -y -q --no-install-recommends chromium chromium-driver; }
+        { apt_install || { apt-get update -q && apt_install; }; } >/dev/null 2>&1 \
+            || echo "setup: Chromium could not be installed; the browser test will skip"
+    else
+        echo "setup: no chromedriver here (apt-get as root installs it); the browser test will skip"
+    fi
+fi

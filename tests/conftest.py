@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from browser import find_browser
+
 CORPUS = [
     "Once upon a time there was a little model that wanted to decode faster.",
     "def add(a, b):\n    return a + b\n",
@@ -173,6 +175,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             "llama-cpp-python: not installed (not in the test extras: installing it compiles "
             "llama.cpp for many minutes), so the bench's llama.cpp comparison did not run"
         )
+    browser = find_browser()
+    if browser.missing:
+        tr.write_line(f"chat page in a headless browser: not run here: {browser.missing}")
     markexpr = config.getoption("markexpr", "")
     if markexpr:
         tr.write_line(

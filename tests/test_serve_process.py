@@ -9,6 +9,7 @@ the user's cache."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from browser import find_browser, headless_chrome
 from commands import DEFAULT_MODEL as NAME
 from commands import command_env, plain_text, user_home
 from eaglespec import LLM
@@ -146,6 +148,75 @@ def test_the_served_defaults_answer_concurrent_and_long_prompts_as_alone(
     for i, prompt in enumerate(ids):
         assert got[i] == plain_text(default_plain, prompt, 32), questions[i][-60:]
     assert proc.poll() is None
+
+
+PAGE_QUESTION = (
+    "Rewrite in the past tense: \"The cat sits on the mat. It watches the birds in the garden, "
+    "and it dreams of catching one of them before the sun goes down.\""
+)
+
+
+@pytest.mark.command("serve")
+def test_the_chat_page_streams_an_answer_with_its_tokens_marked(
+    served: tuple[str, subprocess.Popen, Path], default_plain: LLM
+) -> None:
+    """The page at / in headless Chromium: speculation switched on from the page, a question
+    typed and sent with Enter; the answer streams in round by round (a MutationObserver counts
+    the rounds as they land), equals plain greedy decoding's answer, and every token carries its
+    mark: some are the head's accepted drafts, each round ends in the target's own token.
+    EAGLESPEC_SCREENSHOT=path keeps a screenshot (the README's docs/chat-page.png)."""
+    browser = find_browser()
+    if browser.missing:
+        pytest.skip(browser.missing)
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, _, _ = served
+    driver = headless_chrome(browser)
+    try:
+        driver.get(url)
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"))
+        assert driver.find_element(By.ID, "model").text == NAME
+        driver.find_element(By.CSS_SELECTOR, 'input[name="mode"][value="on"]').click()
+        wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-mode") == "on")
+        assert httpx.get(f"{url}/eaglespec/speculation").json()["mode"] == "on"
+        driver.execute_script(
+            """window.seen = [];
+            new MutationObserver(() => window.seen.push(document.querySelectorAll(".round").length))
+              .observe(document.getElementById("log"), {childList: true, subtree: true});"""
+        )
+        driver.find_element(By.ID, "max-tokens").clear()
+        driver.find_element(By.ID, "max-tokens").send_keys("64")
+        driver.find_element(By.ID, "prompt").send_keys(PAGE_QUESTION, Keys.ENTER)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-state=done]"))
+        box = driver.find_element(By.CSS_SELECTOR, ".msg.assistant")
+        answer = box.find_element(By.CLASS_NAME, "answer")
+        assert "error" not in box.get_attribute("class"), box.text
+        ids = default_plain.tokenizer.encode_chat([{"role": "user", "content": PAGE_QUESTION}])
+        assert answer.get_attribute("textContent") == plain_text(default_plain, ids, 64)
+        rounds = answer.find_elements(By.CLASS_NAME, "round")
+        seen = [n for n in driver.execute_script("return window.seen;") if n]
+        assert len(set(seen)) >= 4, seen  # the rounds arrived one by one, not all at the end
+        sources = [
+            [t.get_attribute("data-source") for t in r.find_elements(By.CLASS_NAME, "tok")]
+            for r in rounds
+        ]
+        assert sum(len(s) for s in sources) == int(box.get_attribute("data-tokens"))
+        assert sources[0] == ["target"]  # the prefill's token
+        for s in sources[1:-1]:  # each whole round: accepted drafts, then the target's own
+            assert set(s[:-1]) <= {"draft", "lookup"} and s[-1] in ("bonus", "corrected")
+        assert sum(s.count("draft") for s in sources) > 0  # the shipped head's accepted drafts
+        figures = box.find_element(By.CLASS_NAME, "figures").text
+        assert "tokens a round" in figures and "speculation on" in figures
+        driver.find_element(By.ID, "show-rounds").click()
+        assert "show-rounds" in driver.find_element(By.TAG_NAME, "body").get_attribute("class")
+        if shot := os.environ.get("EAGLESPEC_SCREENSHOT"):
+            driver.save_screenshot(shot)
+    finally:
+        driver.quit()
+        httpx.post(f"{url}/eaglespec/speculation", json={"mode": "adaptive"})
 
 
 @pytest.mark.command("serve")

@@ -513,3 +513,78 @@ def test_long_prompt_is_prefilled_in_chunks_between_rounds(llm: LLM) -> None:
         assert scheduler.runner.seqs == [] and scheduler.load == (0, 0)
     finally:
         scheduler.stop(grace=0)
+
+
+def _provenance_chunks(client: TestClient, body: dict) -> list[dict]:
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [x for x in r.iter_lines() if x]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
+
+
+def test_provenance_marks_every_streamed_token(client: TestClient, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Count with me: 1 2 3"}]
+    body = {
+        "model": NAME, "messages": messages, "max_tokens": 24, "temperature": 0,
+        "ignore_eos": True, "stream": True, "provenance": True,
+    }  # fmt: skip
+    chunks = _provenance_chunks(client, body)
+    rounds = [c["choices"][0]["provenance"] for c in chunks if "provenance" in c["choices"][0]]
+    for c in chunks:
+        choice = c["choices"][0]
+        if "provenance" in choice:  # the marks spell the chunk's text
+            marks = choice["provenance"]["tokens"]
+            assert "".join(m["text"] for m in marks) == choice["delta"]["content"]
+    sources = [m["source"] for p in rounds for m in p["tokens"]]
+    assert len(sources) == 24 and sources[0] == "target"  # the prefill's token
+    assert set(sources) <= {"draft", "lookup", "bonus", "corrected", "target"}
+    for p in rounds[1:]:  # the random head's rounds under adaptive speculation
+        assert p["accepted"] <= p["drafted"]
+        if len(p["tokens"]) == p["accepted"] + 1:  # a whole round: drafts, then the target's
+            own = "bonus" if p["accepted"] == p["drafted"] else "corrected"
+            assert p["tokens"][-1]["source"] == ("target" if p["drafted"] == 0 else own)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    ids = llm.tokenizer.encode_chat(messages)
+    assert text == llm.tokenizer.decode(_solo(llm, ids, 24))
+    # without the field the chunks are OpenAI's own
+    plain = _provenance_chunks(client, body | {"provenance": False})
+    assert all("provenance" not in c["choices"][0] for c in plain if c["choices"])
+    # a whole answer carries its rounds in order (adaptive speculation may shape them anew)
+    whole = client.post("/v1/chat/completions", json=body | {"stream": False}).json()
+    rounds = whole["choices"][0]["provenance"]
+    assert sum(len(p["tokens"]) for p in rounds) == 24
+    assert "".join(m["text"] for p in rounds for m in p["tokens"]) == text
+
+
+def test_speculation_mode_switches_the_whole_server(client: TestClient) -> None:
+    assert client.get("/eaglespec/speculation").json() == {
+        "mode": "adaptive",
+        "modes": ["adaptive", "on", "off"],
+    }
+    body = {
+        "model": NAME, "prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True, "provenance": True,
+    }  # fmt: skip
+    try:
+        assert client.post("/eaglespec/speculation", json={"mode": "off"}).json()["mode"] == "off"
+        rounds = client.post("/v1/completions", json=body).json()["choices"][0]["provenance"]
+        assert [p["drafted"] for p in rounds] == [0] * 12
+        assert {m["source"] for p in rounds for m in p["tokens"]} == {"target"}
+        assert client.post("/eaglespec/speculation", json={"mode": "on"}).json()["mode"] == "on"
+        rounds = client.post("/v1/completions", json=body).json()["choices"][0]["provenance"]
+        assert [p["drafted"] for p in rounds[1:]] == [3] * (len(rounds) - 1)  # num_draft 3
+        bad = client.post("/eaglespec/speculation", json={"mode": "sometimes"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+        assert client.get("/eaglespec/speculation").json()["mode"] == "on"
+    finally:
+        client.post("/eaglespec/speculation", json={"mode": "adaptive"})
+
+
+def test_the_chat_page_and_its_files_are_served(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for name in ("chat.js", "chat.css"):
+        assert f"/static/{name}" in page.text
+        assert client.get(f"/static/{name}").status_code == 200
+    assert client.get("/static/nothing.js").status_code == 404

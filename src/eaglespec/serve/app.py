@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP layer: FastAPI routes, request checks, server-sent events.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics. All generation goes through one `Scheduler` (the engine thread); a request's
-events come back through an asyncio queue. A client that disconnects cancels its sequences.
-Every refusal is OpenAI's error object naming the field: 400 for bad input, 404 for an unknown
-model, 429 when the queue is full and 503 while shutting down (both with Retry-After).
+GET /metrics; the chat page at GET / (the files in static/, no build step); GET and POST
+/eaglespec/speculation, the server-wide speculation mode (off / on / adaptive). All generation
+goes through one `Scheduler` (the engine thread); a request's events come back through an
+asyncio queue. A client that disconnects cancels its sequences. Every refusal is OpenAI's error
+object naming the field: 400 for bad input, 404 for an unknown model, 429 when the queue is full
+and 503 while shutting down (both with Retry-After).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglespec.config import SamplingParams, TreeConfig
@@ -27,8 +32,8 @@ from eaglespec.draft.base import GraftingProposer, NoDraft
 from eaglespec.engine import BatchRunner, check_speculation, draft_width
 from eaglespec.errors import ChatTemplateError, InvalidRequestError
 from eaglespec.llm import LLM
-from eaglespec.policy import make_policy
-from eaglespec.requests import RequestOutput, StreamEvent, check_prompt
+from eaglespec.policy import SPECULATION_MODES, DraftPolicy, make_policy
+from eaglespec.requests import Provenance, RequestOutput, StreamEvent, check_prompt
 from eaglespec.serve.metrics import ServerMetrics
 from eaglespec.serve.protocol import (
     ChatCompletionRequest,
@@ -39,6 +44,7 @@ from eaglespec.serve.protocol import (
     error_body,
     new_id,
     now,
+    provenance_json,
     usage,
 )
 from eaglespec.serve.scheduler import (
@@ -59,6 +65,13 @@ class ServeOptions:
     speculation: str | None = None  # adaptive | on | off (policy.py); None: the LLM's policy
     shutdown_grace: float = 10.0  # seconds running requests get to finish at shutdown
     prefill_chunk: int | None = 256  # prompt tokens prefilled per engine step; None: whole
+
+
+STATIC = Path(__file__).parent / "static"  # the chat page's files
+
+
+class SpeculationRequest(BaseModel):
+    mode: str
 
 
 class HTTPError(Exception):
@@ -95,17 +108,22 @@ def create_app(
     limit = llm.config.context_limit
     max_len = min(limit, options.max_model_len or limit)
     metrics = ServerMetrics()
-    policy = (
-        llm.policy
-        if options.speculation is None
-        else make_policy(
-            options.speculation,
-            llm.num_draft,
-            tree,
-            llm.proposer is not None,
-            grafts=isinstance(llm.proposer, GraftingProposer),
-        )
-    )
+    modes = SPECULATION_MODES if llm.proposer is not None else ("off",)
+    mode = options.speculation or llm.speculation
+    if llm.proposer is None:
+        mode = "off"
+    # one policy per mode, made when first chosen and kept: switching back to adaptive keeps
+    # what it measured
+    policies: dict[str, DraftPolicy] = {llm.speculation: llm.policy} if llm.proposer else {}
+
+    def policy_for(name: str) -> DraftPolicy:
+        if name not in policies:
+            grafts = isinstance(llm.proposer, GraftingProposer)
+            has_draft = llm.proposer is not None
+            policies[name] = make_policy(name, llm.num_draft, tree, has_draft, grafts=grafts)
+        return policies[name]
+
+    policy = policy_for(mode)
     runner = BatchRunner(llm.model, proposer, llm.tokenizer, max_draft=max_draft)
     scheduler = Scheduler(
         runner,
@@ -127,6 +145,8 @@ def create_app(
     app = FastAPI(title="eaglespec", lifespan=lifespan)
     app.state.scheduler = scheduler
     app.state.metrics = metrics
+    app.state.speculation = mode
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
@@ -152,6 +172,30 @@ def create_app(
         # FastAPI's own (a body that is not UTF-8 JSON, an unknown path): OpenAI's error shape
         message = "the body is not UTF-8 JSON" if e.status_code == 400 else str(e.detail)
         return HTTPError(e.status_code, message).response()
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    def speculation_state() -> dict[str, Any]:
+        return {"mode": app.state.speculation, "modes": list(modes)}
+
+    @app.get("/eaglespec/speculation")
+    async def get_speculation() -> dict[str, Any]:
+        return speculation_state()
+
+    @app.post("/eaglespec/speculation")
+    async def set_speculation(body: SpeculationRequest) -> dict[str, Any]:
+        if body.mode not in modes:
+            why = "" if llm.proposer is not None else " (this server has no draft)"
+            raise HTTPError(
+                400,
+                f"mode: '{body.mode}' is not one of {', '.join(modes)}{why}",
+                param="mode",
+            )
+        scheduler.set_policy(policy_for(body.mode))
+        app.state.speculation = body.mode
+        return speculation_state()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -221,7 +265,10 @@ def create_app(
         run.start()  # before any response: a full queue is a 429, not an error event
         meta = {"id": new_id("cmpl"), "created": now(), "model": options.served_name}
         if body.stream:
-            return _sse(_completion_chunks(run, meta, body.include_usage, llm.tokenizer))
+            chunks = _completion_chunks(
+                run, meta, body.include_usage, body.provenance, llm.tokenizer
+            )
+            return _sse(chunks)
         outputs = await run.collect(request)
         choices = [
             {
@@ -231,6 +278,7 @@ def create_app(
                 if o.logprobs is None
                 else completion_logprobs(o.logprobs, llm.tokenizer),
                 "finish_reason": o.finish_reason,
+                **run.provenance(i, body.provenance),
             }
             for i, o in enumerate(outputs)
         ]
@@ -253,7 +301,7 @@ def create_app(
         run.start()
         meta = {"id": new_id("chatcmpl"), "created": now(), "model": options.served_name}
         if body.stream:
-            return _sse(_chat_chunks(run, meta, body.include_usage, llm.tokenizer))
+            return _sse(_chat_chunks(run, meta, body.include_usage, body.provenance, llm.tokenizer))
         outputs = await run.collect(request)
         choices = [
             {
@@ -263,6 +311,7 @@ def create_app(
                 if o.logprobs is None
                 else chat_logprobs(o.logprobs, llm.tokenizer),
                 "finish_reason": o.finish_reason,
+                **run.provenance(i, body.provenance),
             }
             for i, o in enumerate(outputs)
         ]
@@ -297,6 +346,7 @@ class _Run:
         self.prompt_tokens = prompt_tokens
         self.subs: list[Submission] = []
         self.outputs: dict[int, RequestOutput] = {}
+        self.rounds: dict[int, list[Provenance]] = {}  # per choice, for a non-streamed answer
         self.queue: asyncio.Queue[tuple[int, StreamEvent | None, Exception | None]] | None = None
 
     def start(self) -> None:
@@ -345,6 +395,8 @@ class _Run:
                 assert event is not None
                 if event.output is not None:
                     self.outputs[choice] = event.output
+                if event.provenance is not None:
+                    self.rounds.setdefault(choice, []).append(event.provenance)
                 yield choice, event
         finally:
             self.cancel()
@@ -355,6 +407,12 @@ class _Run:
         if len(self.outputs) < len(self.jobs):
             raise HTTPError(499, "client disconnected")
         return [self.outputs[i] for i in range(len(self.jobs))]
+
+    def provenance(self, choice: int, asked: bool) -> dict[str, Any]:
+        """{"provenance": [one object per round]} for a non-streamed choice, when asked."""
+        if not asked:
+            return {}
+        return {"provenance": [provenance_json(p) for p in self.rounds.get(choice, [])]}
 
     def usage(self) -> dict[str, int]:
         completion = sum(len(o.token_ids) for o in self.outputs.values())
@@ -374,8 +432,20 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+def _round_field(event: StreamEvent, asked: bool) -> dict[str, Any]:
+    """A streamed chunk's {"provenance": this round's object}, when asked and the event has
+    one (speculative generation's events)."""
+    if not asked or event.provenance is None or not event.provenance.tokens:
+        return {}
+    return {"provenance": provenance_json(event.provenance)}
+
+
 async def _completion_chunks(
-    run: _Run, meta: dict[str, Any], include_usage: bool, tokenizer: Tokenizer
+    run: _Run,
+    meta: dict[str, Any],
+    include_usage: bool,
+    provenance: bool,
+    tokenizer: Tokenizer,
 ) -> AsyncIterator[dict[str, Any]]:
     offsets = [0] * len(run.jobs)  # per choice: characters of token text sent so far
     async for choice, event in run.events():
@@ -384,15 +454,21 @@ async def _completion_chunks(
         if event.logprobs:
             lps = completion_logprobs(event.logprobs, tokenizer, offsets[choice])
             offsets[choice] += sum(len(t) for t in lps["tokens"])
-        if event.text or finish or lps:
+        marks = _round_field(event, provenance)
+        if event.text or finish or lps or marks:
             c = {"index": choice, "text": event.text, "logprobs": lps, "finish_reason": finish}
+            c.update(marks)
             yield {"object": "text_completion", **meta, "choices": [c]}
     if include_usage:
         yield {"object": "text_completion", **meta, "choices": [], "usage": run.usage()}
 
 
 async def _chat_chunks(
-    run: _Run, meta: dict[str, Any], include_usage: bool, tokenizer: Tokenizer
+    run: _Run,
+    meta: dict[str, Any],
+    include_usage: bool,
+    provenance: bool,
+    tokenizer: Tokenizer,
 ) -> AsyncIterator[dict[str, Any]]:
     base = {"object": "chat.completion.chunk", **meta}
     for choice in range(len(run.jobs)):
@@ -401,8 +477,9 @@ async def _chat_chunks(
     async for choice, event in run.events():
         finish = event.output.finish_reason if event.output is not None else None
         lps = chat_logprobs(event.logprobs, tokenizer) if event.logprobs else None
-        if event.text or lps:
-            c = {"index": choice, "delta": {"content": event.text}, "logprobs": lps}
+        marks = _round_field(event, provenance)
+        if event.text or lps or marks:
+            c = {"index": choice, "delta": {"content": event.text}, "logprobs": lps, **marks}
             yield {**base, "choices": [{**c, "finish_reason": None}]}
         if finish:
             c = {"index": choice, "delta": {}, "logprobs": None, "finish_reason": finish}

@@ -3,7 +3,8 @@
 Fields OpenAI defines that eaglespec cannot honour (echo, suffix, penalties, tools, non-text
 response formats) are refused with a 400 naming the field rather than silently ignored; unknown
 extra fields are ignored, as OpenAI's own server does. `top_k`, `min_p` and `ignore_eos` are
-extensions, as in vLLM.
+extensions, as in vLLM; `provenance: true` adds each choice's tokens marked by how they landed
+(accepted draft, prompt-lookup copy, the target's bonus or correction: docs/serving.md).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from eaglespec.config import SamplingParams
 from eaglespec.logprobs import MAX_TOP, TokenLogprob
+from eaglespec.requests import Provenance
 from eaglespec.tokenizer import Tokenizer
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -70,6 +72,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     ignore_eos: bool = False
+    provenance: bool = False  # extension: how each token landed (`provenance_json`)
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -242,3 +245,13 @@ def chat_logprobs(lps: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict[str
 
 def _token_text(tokenizer: Tokenizer, tid: int) -> str:
     return tokenizer.decode([tid], skip_special=False)
+
+
+def provenance_json(p: Provenance) -> dict[str, Any]:
+    """One round's `provenance` object: {"drafted", "accepted", "tokens": [{"text", "source"}]}
+    (requests.SOURCES names the sources; the texts concatenate to the chunk's text)."""
+    return {
+        "drafted": p.drafted,
+        "accepted": p.accepted,
+        "tokens": [{"text": m.text, "source": m.source} for m in p.tokens],
+    }

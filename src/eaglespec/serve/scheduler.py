@@ -128,6 +128,11 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join()
 
+    def set_policy(self, policy: FixedDraft | AdaptiveDraft) -> None:
+        """Rounds from the next one on take their shapes from `policy`."""
+        with self._cond:
+            self.policy = policy
+
     @property
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests."""
