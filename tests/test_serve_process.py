@@ -151,8 +151,8 @@ def test_the_served_defaults_answer_concurrent_and_long_prompts_as_alone(
 
 
 PAGE_QUESTION = (
-    "Rewrite in the past tense: \"The cat sits on the mat. It watches the birds in the garden, "
-    "and it dreams of catching one of them before the sun goes down.\""
+    'Rewrite in the past tense: "The cat sits on the mat. It watches the birds in the garden, '
+    'and it dreams of catching one of them before the sun goes down."'
 )
 
 

@@ -19,8 +19,8 @@ from eaglespec.model.quant import quantize_model
 from eaglespec.registry import resolve_model
 
 METHODS = ("eagle3", "draft-model", "lookup", "none")
-# Prompt-lookup tokens the commands graft into an EAGLE-3 head's rounds (BENCHMARKS.md, "Prompt
-# lookup inside EAGLE-3's rounds")
+# Prompt-lookup tokens the commands graft into an EAGLE-3 head's rounds (docs/benchmark-history.md,
+# "Prompt lookup inside EAGLE-3's rounds")
 DEFAULT_LOOKUP_TOKENS = 4
 
 

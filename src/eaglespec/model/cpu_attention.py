@@ -8,8 +8,8 @@ Why a kernel: inductor's fused form of this attention (`layers.attend_fused`) co
 score as a horizontal sum and swept the keys three times (max, exp-sum, values); in SmolLM2's
 bf16 w4a8 decode on 2 cores it took about 70 us a layer at T = 1 and 130 us at T = 2 over 150
 keys, a third of a decode step and most of what a second verified token cost beyond the matmuls
-(block-compiled profile, BENCHMARKS.md session 14). This kernel walks each query row's keys
-once for the scores (AVX-512, fp32 sums) and once for the values. Prefills came later (session
+(block-compiled profile, docs/benchmark-history.md session 14). This kernel walks each query row's
+keys once for the scores (AVX-512, fp32 sums) and once for the values. Prefills came later (session
 17): SDPA's bits differed from the kernel's, so a prompt answered after one whole prefill and
 after the server's chunked prefill could differ at bf16 w4a8; the kernel costs 1.15-1.4x SDPA
 there (256-1024 tokens). An unmasked row scores 16 keys at a time (reduce_add_ps's tree on 16

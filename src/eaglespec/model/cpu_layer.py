@@ -16,7 +16,7 @@ mask: cache.KVCache.plan), no q/k norm (Qwen3 keeps the Python forward), the fou
 `W4A8Linear`. Gemma 3's SandwichBlock has an op of its own (`sandwich`: its four norms, q/k norms
 and query scale, GELU-tanh, each matrix `W4A8Linear` or `W8A8Linear` as w4a8-mixed stored it, no
 biases); measured on gemma3-270m, a decode step 16.8 -> 14.3 ms and plain decoding 60 -> 75-78
-tok/s (BENCHMARKS.md, session 21).
+tok/s (docs/benchmark-history.md, session 21).
 """
 
 from __future__ import annotations

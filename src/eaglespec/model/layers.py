@@ -115,13 +115,13 @@ def attend(
     - on an AVX-512 CPU, fp32 or bf16, any number of queries, eager or compiled: eaglespec's
       kernel (`cpu_attention`), row-independent (a verified token's or a prompt token's row gets
       the bits of a one-token step; eager CPU prefills reach it with their causal mask, see
-      `cached_attention`) and faster than the forms below for few queries (BENCHMARKS.md,
-      sessions 14 and 17).
+      `cached_attention`) and faster than the forms below for few queries
+      (docs/benchmark-history.md, sessions 14 and 17).
     - compiled elsewhere (`attend_fused`): products and sums that inductor fuses into loops of
       its own. The matmul form compiles to two extern bmm calls per layer, which cost SmolLM2's
       bf16 w4a8 chain-2 round 3.75 ms of ~16 ms (2 threads). The fused form measured 18-34%
-      faster plain decode and 8-45% faster chain-2 decode, end to end (BENCHMARKS.md, sessions
-      11-12); each extra query token costs more than with matmuls (the verify-cost curve).
+      faster plain decode and 8-45% faster chain-2 decode, end to end (docs/benchmark-history.md,
+      sessions 11-12); each extra query token costs more than with matmuls (the verify-cost curve).
     - eager 16-bit on a CPU (`attend_math`): SDPA's kernel is slow for few queries. One query
       per row over 301 keys, 64 rows, bf16, one thread: SDPA 30.1 ms, `attend_math` 2.8 ms
       (fp32: 3.9 vs 5.8 ms, so fp32 keeps SDPA); benchmarks/attention_cpu.py measures it.

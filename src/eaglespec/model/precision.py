@@ -15,9 +15,9 @@ folder, a GGUF stored at 8 bits or more, a GPU, a CPU without AVX-512 VNNI) runs
 float32, as before. An explicit dtype decides an auto quant: float32 or float16 asks for the
 unquantized model.
 
-Measured on the 2-core development VM (SmolLM2-135M Q4_1, eager, BENCHMARKS.md): float32 plain
-decoding about 21 tok/s, bfloat16 w4a8 about 160-170 (70-80 before the eager-step kernels of
-2026-11-25: the 8-bit head, the row ops, the fused layer).
+Measured on the 2-core development VM (SmolLM2-135M Q4_1, eager, docs/benchmark-history.md):
+float32 plain decoding about 21 tok/s, bfloat16 w4a8 about 160-170 (70-80 before the eager-step
+kernels of 2026-11-25: the 8-bit head, the row ops, the fused layer).
 """
 
 from __future__ import annotations

@@ -61,10 +61,11 @@ grows with the rows M (SmolLM2, all 121 matmuls, weights cold in cache: 5.3 / 6.
 ## int4-all
 int4 for the output head as well. The head is the largest single matrix of small models with big
 vocabularies (Qwen2.5-0.5B: 151,936 x 896, 136 MB at int8, a third of a decode step's weight
-bytes), so int4 there buys speed where int8 costs most. Measured (BENCHMARKS.md, 2026-11-24):
-Qwen2.5-Coder-0.5B decode 31.4 -> 37.7 tok/s with the same accuracy as int4 (mean NLL +0.028 vs
-+0.030 over fp32; the 4-bit decoder dominates the error), SmolLM2 64 -> 70 tok/s but its NLL rises
-from -0.002 to +0.034 (its Q8_0 head is re-rounded onto 4 bits, while its Q4_1 decoder is exact).
+bytes), so int4 there buys speed where int8 costs most. Measured (docs/benchmark-history.md,
+2026-11-24): Qwen2.5-Coder-0.5B decode 31.4 -> 37.7 tok/s with the same accuracy as int4 (mean NLL
++0.028 vs +0.030 over fp32; the 4-bit decoder dominates the error), SmolLM2 64 -> 70 tok/s but its
+NLL rises from -0.002 to +0.034 (its Q8_0 head is re-rounded onto 4 bits, while its Q4_1 decoder is
+exact).
 
 Every kernel here computes each row of x on its own: row b of a forward over M rows is bitwise
 equal to the same row alone (checked in tests), which keeps speculative verification of M tokens

@@ -25,7 +25,8 @@ The inner sums are exact int32 dot products of unsigned 4-bit and signed 8-bit c
 AVX-512 VNNI computes 64 at a time (vpdpbusd); one float multiply-add per group and row remains.
 PyTorch's int4 kernel instead turns every weight into a float before its multiply-add, which
 holds it to about 20 GB/s of weights on this project's 2-core VM; this kernel streams 29-39 GB/s
-(cold weights, two threads, all of Qwen2.5-Coder-1.5B's decoder matrices; BENCHMARKS.md).
+(cold weights, two threads, all of Qwen2.5-Coder-1.5B's decoder matrices;
+docs/benchmark-history.md).
 
 The output head of `w4a8` (`W8A8Linear`) runs 8-bit weights against the same int8 activations,
 GGUF's Q8_0 (w = d * q per group of 32, q in -127..127, d fp16; SmolLM2's file stores its head
@@ -45,7 +46,7 @@ Rows: each group's weights are loaded (4 bits: unpacked) once and serve a tile o
 activation rows whose accumulators stay in registers, so extra rows cost their vpdpbusd and float
 scaling while the weights stream once; rows go in chunks that stay in L2 (long prefills). One
 kernel for every M: decode, verification, batched decoding and prefill (benchmarks/roofline.py
-measures each M against this machine's bandwidth and VNNI peak; BENCHMARKS.md).
+measures each M against this machine's bandwidth and VNNI peak; docs/benchmark-history.md).
 
 Row independence: every (m, n) goes through the same instructions in the same order whatever M
 is, whatever its tile and however the output rows are split among threads, so row b of a forward
