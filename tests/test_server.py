@@ -588,3 +588,14 @@ def test_the_chat_page_and_its_files_are_served(client: TestClient) -> None:
         assert f"/static/{name}" in page.text
         assert client.get(f"/static/{name}").status_code == 200
     assert client.get("/static/nothing.js").status_code == 404
+
+
+def test_a_server_without_a_draft_has_only_plain_decoding(tiny_hf_folder: Path) -> None:
+    plain = LLM(str(tiny_hf_folder), progress=False, draft="none")
+    with TestClient(create_app(plain, ServeOptions(served_name=NAME))) as c:
+        assert c.get("/eaglespec/speculation").json() == {"mode": "off", "modes": ["off"]}
+        bad = c.post("/eaglespec/speculation", json={"mode": "on"})
+        assert bad.status_code == 400 and "no draft" in bad.json()["error"]["message"]
+        body = {"model": NAME, "prompt": [5, 6], "max_tokens": 5, "ignore_eos": True}
+        out = c.post("/v1/completions", json=body | {"provenance": True}).json()["choices"][0]
+        assert [m["source"] for p in out["provenance"] for m in p["tokens"]] == ["target"] * 5
