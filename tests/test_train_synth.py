@@ -9,17 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from eaglespec.config import SamplingParams
 from eaglespec.draft.config import default_capture
 from eaglespec.draft.loader import load_eagle3, random_eagle3, save_eagle3
 from eaglespec.errors import InvalidRequestError
+from eaglespec.generate import generate_stream
+from eaglespec.requests import collect_outputs
 from eaglespec.train.regen import Sample
 from eaglespec.train.synth import (
     COMPLETE,
+    STARTERS,
     SUMMARIZE,
+    Starter,
     SynthConfig,
     code_stubs,
     completion_prompts,
     read_synth_prompts,
+    starter_for,
     summary_prompts,
     synthesize_prompts,
     user_turn_prefix,
@@ -88,6 +94,30 @@ def test_synthesized_prompts_end_by_themselves_are_unique_and_resume(tmp_path: P
     assert read_synth_prompts(path) == more
     seeds = [json.loads(line)["seed"] for line in path.read_text().splitlines()]
     assert min(seeds[4:]) > max(seeds[:4])  # kept in the order they finish, new ones after
+
+
+def test_steered_prompts_begin_with_their_seeds_starter_and_continue_it(tmp_path: Path) -> None:
+    # Each kept prompt is its starter followed by what the model wrote after it: the same text a
+    # seeded draw from the user-turn prefix plus the starter's ids gives.
+    target = tiny_target(0, vocab=V, layers=2)
+    tok = WordTokenizer()
+    starters = (Starter("ab"), Starter("cd ef", max_tokens=80))
+    cfg = SynthConfig(prompts=6, max_tokens=48, batch=8, min_words=2, starters=starters)
+    path = tmp_path / "synth.jsonl"
+    got = synthesize_prompts(target, tok, path, cfg)
+    assert len(got) == 6
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {starter_for(r["seed"], starters) for r in records} == set(starters)  # both used
+    for r in records:
+        start = starter_for(r["seed"], starters)
+        assert start is not None and r["turns"][0].startswith(start.text)
+        ids = user_turn_prefix(tok) + tok.encode(start.text, add_special=False)
+        params = SamplingParams(
+            max_tokens=max(48, start.max_tokens), temperature=1.0, top_p=0.99, seed=r["seed"]
+        )
+        alone = collect_outputs(generate_stream(target, tok, [ids], [params]))[0]
+        assert r["turns"][0] == (start.text + alone.text).strip()
+    assert all(s.text and not s.text.endswith(" ") for s in STARTERS)  # BPE: no dangling space
 
 
 def test_synthesis_gives_up_when_the_model_never_ends_a_turn(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.registry import DEFAULT_MODEL
 from eaglespec.train.pipeline import LM_HEADS, STAGES, PipelineConfig, run
 from eaglespec.train.regen import RegenConfig
-from eaglespec.train.synth import SynthConfig
+from eaglespec.train.synth import STARTERS, SynthConfig
 from eaglespec.train.trainer import TrainConfig
 
 
@@ -45,6 +45,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         default=0,
         metavar="N",
         help="add N prompts the target writes itself (Magpie: sampled from an empty user turn)",
+    )
+    p.add_argument(
+        "--synth-steer",
+        action="store_true",
+        help="begin each self-asked prompt with one of train/synth.py's STARTERS (code, math, "
+        "questions, writing, a text to summarise or rewrite, instructions): a mix nearer what "
+        "users ask than the model's own turns",
     )
     p.add_argument(
         "--summaries",
@@ -165,7 +172,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         out=args.out,
         variants=_variants(args.variants),
         limit_per_file=args.limit_per_file,
-        synth=SynthConfig(prompts=args.synth_prompts, seed=args.seed),
+        synth=SynthConfig(
+            prompts=args.synth_prompts,
+            seed=args.seed,
+            starters=STARTERS if args.synth_steer else (),
+        ),
         summaries=args.summaries,
         summary_min_tokens=args.summary_min_tokens,
         completions=args.completions,

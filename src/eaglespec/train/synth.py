@@ -6,6 +6,11 @@ Two kinds, both from the target alone (no outside data, never the evaluation set
   a user message, with nothing after it, is a context in which an instruction-tuned model writes
   the kind of request it was tuned on. Sampled at temperature 1, one per seed, these cover open
   writing, advice, QA and code far more widely than a few hundred seed tasks.
+  With `starters` (`--synth-steer`), each seed's user turn begins with one of STARTERS, chosen
+  by the seed, and the model writes the rest: the mix is steered towards the kinds of requests
+  users make of an assistant (code, math, questions, writing, rewriting or summarising a text the
+  request itself holds, multi-step instructions) instead of wherever the model's own turns
+  drift. The starters are generic openings written for this purpose, not taken from any set.
 - **Summaries of its own answers**: "Summarize: <text>" over the longest regenerated responses,
   so the head also learns summarization, where the answer copies from a long context.
 - **Completions of its own code**: "Complete the code I provided." over the Python functions of
@@ -39,14 +44,65 @@ _DERIVED = (":summarize", ":complete")  # sources of prompts made from answers
 
 
 @dataclass(frozen=True, slots=True)
+class Starter:
+    text: str  # how the user turn begins; the model writes the rest
+    max_tokens: int = 128  # room for the rest (a request quoting a text needs more)
+
+
+_TEXT = 384  # a starter whose request carries a passage the model writes itself
+STARTERS = (
+    # code
+    Starter("Write a Python function that"),
+    Starter("Write a Python program that"),
+    Starter("Write a JavaScript function that"),
+    Starter("Implement a Python class that"),
+    Starter("Fix the bug in this code:\n\n```python\n", _TEXT),
+    Starter("Explain what this code does:\n\n```python\n", _TEXT),
+    # math
+    Starter("Solve this problem step by step:"),
+    Starter("Calculate"),
+    Starter("A word problem:"),
+    # questions
+    Starter("What is"),
+    Starter("Why do"),
+    Starter("How does"),
+    Starter("Who was"),
+    Starter("What is the difference between"),
+    # writing
+    Starter("Write a short story about"),
+    Starter("Write an email to"),
+    Starter("Write a poem about"),
+    Starter("Write a blog post about"),
+    Starter("Imagine you are"),
+    # a text given in the request
+    Starter("Summarize the following article:\n\n", _TEXT),
+    Starter("Summarize this text in two sentences:\n\n", _TEXT),
+    Starter("Rewrite this paragraph to be more formal:\n\n", _TEXT),
+    Starter("Extract the key points from this passage:\n\n", _TEXT),
+    # instructions
+    Starter("Give me three tips for"),
+    Starter("List five"),
+    Starter("Compare"),
+    Starter("Describe"),
+    Starter("Plan a"),
+)
+
+
+@dataclass(frozen=True, slots=True)
 class SynthConfig:
     prompts: int = 0  # self-asked prompts to have in the file
-    max_tokens: int = 128  # a longer one is cut and dropped
+    max_tokens: int = 128  # a longer one is cut and dropped (a starter may give more)
     temperature: float = 1.0
     top_p: float = 0.99
     batch: int = 64
     min_words: int = 4
     seed: int = 0
+    starters: tuple[Starter, ...] = ()  # begin each user turn with one (by seed); () = none
+
+
+def starter_for(seed: int, starters: Sequence[Starter]) -> Starter | None:
+    """The starter of draw `seed` (None without starters): the same on every run and resume."""
+    return random.Random(f"{seed}:starter").choice(starters) if starters else None
 
 
 def user_turn_prefix(tokenizer: Tokenizer) -> list[int]:
@@ -86,30 +142,33 @@ def synthesize_prompts(
     prefix = user_turn_prefix(tokenizer)
     seed = cfg.seed * 1_000_000 + max((int(c.source.split(":")[1]) for c in have), default=-1) + 1
     draws = 4 * max(cfg.prompts - len(have), 0)
-    jobs = [
-        Job(
-            f"synth:{s}",
-            prefix,
-            SamplingParams(
-                max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=s
-            ),
+    jobs = []
+    for s in range(seed, seed + draws):
+        start = starter_for(s, cfg.starters)
+        ids = prefix + (tokenizer.encode(start.text, add_special=False) if start else [])
+        room = max(cfg.max_tokens, start.max_tokens) if start else cfg.max_tokens
+        params = SamplingParams(
+            max_tokens=room, temperature=cfg.temperature, top_p=cfg.top_p, seed=s
         )
-        for s in range(seed, seed + draws)
-    ]
+        jobs.append(Job(f"synth:{s}", ids, params))
     with path.open("a") as f:
         answers = answer_all(model, tokenizer, jobs, max_rows=cfg.batch)
         for a in answers:
             if len(have) >= cfg.prompts:
                 answers.close()
                 break
-            o = a.output
-            text = o.text.strip()
+            o, draw = a.output, a.job.params.seed
+            assert draw is not None  # every draw is seeded above
+            start = starter_for(draw, cfg.starters)
+            text = ((start.text if start else "") + o.text).strip()
             ended = o.finish_reason == "stop"
-            kept = ended and len(text.split()) >= cfg.min_words and text not in seen
+            # the model's own words: at least min_words, or two after a starter
+            words = len(o.text.split()) >= (cfg.min_words if start is None else 2)
+            kept = ended and words and text not in seen
             if kept:
                 seen.add(text)
                 have.append(Conversation((text,), a.job.key))
-                f.write(json.dumps({"seed": a.job.params.seed, "turns": [text]}) + "\n")
+                f.write(json.dumps({"seed": draw, "turns": [text]}) + "\n")
                 f.flush()
             if on_batch is not None:
                 on_batch(int(kept), len(o.token_ids))
