@@ -11,7 +11,7 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.registry import DEFAULT_MODEL
 from eaglespec.train.pipeline import LM_HEADS, STAGES, PipelineConfig, run
 from eaglespec.train.regen import RegenConfig
-from eaglespec.train.synth import STARTERS, SynthConfig
+from eaglespec.train.synth import STARTER_MIXES, SynthConfig
 from eaglespec.train.trainer import TrainConfig
 
 
@@ -48,9 +48,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     p.add_argument(
         "--synth-steer",
-        action="store_true",
-        help="begin each self-asked prompt with one of train/synth.py's STARTERS (code, math, "
-        "questions, writing, a text to summarise or rewrite, instructions): a mix nearer what "
+        choices=sorted(STARTER_MIXES),
+        help="begin each self-asked prompt with a starter of this mix (train/synth.py): tasks "
+        "(code, math, questions, writing, a text to summarise or rewrite, instructions) or code "
+        "(writing, completing, explaining and fixing code in several languages): nearer what "
         "users ask than the model's own turns",
     )
     p.add_argument(
@@ -175,7 +176,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         synth=SynthConfig(
             prompts=args.synth_prompts,
             seed=args.seed,
-            starters=STARTERS if args.synth_steer else (),
+            starters=STARTER_MIXES[args.synth_steer] if args.synth_steer else (),
         ),
         summaries=args.summaries,
         summary_min_tokens=args.summary_min_tokens,

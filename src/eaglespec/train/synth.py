@@ -6,11 +6,13 @@ Two kinds, both from the target alone (no outside data, never the evaluation set
   a user message, with nothing after it, is a context in which an instruction-tuned model writes
   the kind of request it was tuned on. Sampled at temperature 1, one per seed, these cover open
   writing, advice, QA and code far more widely than a few hundred seed tasks.
-  With `starters` (`--synth-steer`), each seed's user turn begins with one of STARTERS, chosen
-  by the seed, and the model writes the rest: the mix is steered towards the kinds of requests
-  users make of an assistant (code, math, questions, writing, rewriting or summarising a text the
-  request itself holds, multi-step instructions) instead of wherever the model's own turns
-  drift. The starters are generic openings written for this purpose, not taken from any set.
+  With `starters` (`--synth-steer tasks|code`), each seed's user turn begins with one of a mix of
+  starters, chosen by the seed, and the model writes the rest: the mix is steered towards the
+  kinds of requests users make of an assistant (STARTERS: code, math, questions, writing,
+  rewriting or summarising a text the request itself holds, multi-step instructions; or
+  CODE_STARTERS: writing, completing, explaining and fixing code in several languages, with a
+  quarter general requests) instead of wherever the model's own turns drift. The starters are
+  generic openings written for this purpose, not taken from any set.
 - **Summaries of its own answers**: "Summarize: <text>" over the longest regenerated responses,
   so the head also learns summarization, where the answer copies from a long context.
 - **Completions of its own code**: "Complete the code I provided." over the Python functions of
@@ -86,6 +88,44 @@ STARTERS = (
     Starter("Describe"),
     Starter("Plan a"),
 )
+
+
+_CODE_TEXT = 320  # room for a snippet the model writes into the request
+CODE_STARTERS = (
+    # write, in several languages
+    Starter("Write a Python function that"),
+    Starter("Write a Python script that"),
+    Starter("Write a JavaScript function that"),
+    Starter("Write a TypeScript function that"),
+    Starter("Write a C++ function that"),
+    Starter("Write a Rust function that"),
+    Starter("Write a Go function that"),
+    Starter("Write a Java method that"),
+    Starter("Write a SQL query that"),
+    Starter("Write a bash script that"),
+    Starter("Implement a Python class that"),
+    Starter("Write unit tests for a Python function that"),
+    # complete, explain, fix, improve code given in the request
+    Starter("Complete this function:\n\n```python\ndef", _CODE_TEXT),
+    Starter("Complete the code:\n\n```python\n", _CODE_TEXT),
+    Starter("Explain what this code does:\n\n```python\n", _CODE_TEXT),
+    Starter("Explain this JavaScript code:\n\n```javascript\n", _CODE_TEXT),
+    Starter("Fix the bug in this code:\n\n```python\n", _CODE_TEXT),
+    Starter("Refactor this code to be more readable:\n\n```python\n", _CODE_TEXT),
+    Starter("Add type hints and a docstring to this function:\n\n```python\ndef", _CODE_TEXT),
+    Starter("What is the time complexity of this code?\n\n```python\n", _CODE_TEXT),
+    # questions about programming
+    Starter("How do I"),
+    Starter("What is the difference between"),
+    Starter("Explain how"),
+    # general requests, a quarter of the mix
+    Starter("Solve this problem step by step:"),
+    Starter("What is"),
+    Starter("Write a short story about"),
+    Starter("Summarize the following article:\n\n", _TEXT),
+    Starter("Give me three tips for"),
+)
+STARTER_MIXES = {"tasks": STARTERS, "code": CODE_STARTERS}  # `--synth-steer MIX`
 
 
 @dataclass(frozen=True, slots=True)
