@@ -198,7 +198,7 @@ def test_the_chat_page_streams_an_answer_with_its_tokens_marked(
         assert answer.get_attribute("textContent") == plain_text(default_plain, ids, 64)
         rounds = answer.find_elements(By.CLASS_NAME, "round")
         seen = [n for n in driver.execute_script("return window.seen;") if n]
-        assert len(set(seen)) >= 4, seen  # the rounds arrived one by one, not all at the end
+        assert len(set(seen)) >= 3, seen  # the rounds arrived one by one, not all at the end
         sources = [
             [t.get_attribute("data-source") for t in r.find_elements(By.CLASS_NAME, "tok")]
             for r in rounds
