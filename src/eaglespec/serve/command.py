@@ -16,8 +16,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API (continuous batching)",
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics. Without --method/--draft it drafts with the EAGLE-3 head "
-        "shipped for the model, if one ships, under adaptive speculation.",
+        "/v1/models, /health, /metrics, and a chat page at / that marks every drafted token. "
+        "Without --method/--draft it drafts with the EAGLE-3 head shipped for the model, if one "
+        "ships, under adaptive speculation.",
     )
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -71,5 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # What serving taught the policy, per batch size, is kept for the next start, at shutdown
     # (Ctrl-C or SIGTERM alike: create_app's on_stop).
     app = create_app(llm, options, on_stop=calibration.save)
+    url = f"http://{args.host}:{args.port}"
+    print(f"[chat page: {url}/  OpenAI API: {url}/v1]", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
