@@ -25,7 +25,7 @@ import torch
 from eaglespec.draft.config import DraftConfig, resolve_capture_layers
 from eaglespec.draft.loader import load_eagle3
 from eaglespec.model.loader import load_model
-from eaglespec.model.quant import dense_weight
+from eaglespec.model.quant import dense_rows
 from eaglespec.registry import resolve_model
 from eaglespec.train.features import load_shard, shard_paths
 from eaglespec.train.pipeline import build_head, init_head, split_heldout
@@ -58,7 +58,7 @@ def main() -> None:
     by_key = {k: s.sample(i) for s in shards for i, k in enumerate(s.keys)}
     train_f = [by_key[s.key] for s in train_s if s.key in by_key]
     held_f = [by_key[s.key] for s in held_s if s.key in by_key]
-    weight = dense_weight(target.model.lm_head)
+    weight = dense_rows(target.model.lm_head, vocab.ids)  # (Vd, Ct)
     init = load_eagle3(args.init_from, target.model)
     base = TrainConfig(
         epochs=1,

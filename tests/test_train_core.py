@@ -483,10 +483,10 @@ def test_train_save_load_decode_losslessly(tmp_path: Path, lm_head: str) -> None
         head = _trainable(random_eagle3(target, draft_vocab_size=VD, seed=1))
         head.d2t.copy_(vocab.d2t)
     else:
+        rows = target.lm_head.weight[vocab.ids]
         head = build_head(
-            _Loaded(target), target.lm_head.weight, vocab, 3, "cpu", intermediate_size=48,
-            lm_head="target",
-        )  # fmt: skip
+            _Loaded(target), rows, vocab, 3, "cpu", intermediate_size=48, lm_head="target"
+        )
         assert head.cfg.intermediate_size == 48 and not head.lm_head.weight.requires_grad
     rows = head.lm_head.weight.detach().clone()
     # One batch, so every step sees the same data and the losses compare.
@@ -494,7 +494,7 @@ def test_train_save_load_decode_losslessly(tmp_path: Path, lm_head: str) -> None
     cfg = TrainConfig(
         epochs=20, lr=1e-2, warmup_steps=2, ttt_steps=STEPS, dtype="float32", batch_tokens=one_batch
     )
-    history = train(head, feats, vocab, target.lm_head.weight, cfg)
+    history = train(head, feats, vocab, target.lm_head.weight[vocab.ids], cfg)
     losses = [h.loss for h in history]  # each before its step's update
     assert len(losses) == 20 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.8 * losses[0]

@@ -41,8 +41,8 @@ def _setup() -> tuple[Eagle3Head, list[FeatureShard], DraftVocab, torch.Tensor]:
     shard = _concat(_capture_batch(target, samples, default_capture(4)), [s.key for s in samples])
     feats = [shard.sample(i) for i in range(len(shard))]
     vocab = build_draft_vocab([s.response for s in samples], 48, 96)
-    head = build_head(_Loaded(target), target.lm_head.weight, vocab, 3, "cpu")  # type: ignore[arg-type]
-    return head, feats, vocab, target.lm_head.weight
+    head = build_head(_Loaded(target), target.lm_head.weight[vocab.ids], vocab, 3, "cpu")  # type: ignore[arg-type]
+    return head, feats, vocab, target.lm_head.weight[vocab.ids]
 
 
 def _trained_state(head: Eagle3Head) -> dict[str, torch.Tensor]:

@@ -238,7 +238,8 @@ def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
         model, config = target, target.cfg
 
     new_ids = torch.arange(16, 48)  # this run's vocabulary: half of it shared
-    head = build_head(_Loaded(), target.lm_head.weight, DraftVocab(new_ids, V), 3, "cpu")  # type: ignore[arg-type]
+    vocab = DraftVocab(new_ids, V)
+    head = build_head(_Loaded(), target.lm_head.weight[vocab.ids], vocab, 3, "cpu")  # type: ignore[arg-type]
     assert init_head(head, loaded, capture) == 16  # 16, 18, .., 46
     mine = head.state_dict()
     for name, t in saved.state_dict().items():

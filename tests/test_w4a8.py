@@ -14,7 +14,7 @@ from torch import nn
 
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model import w4a8
-from eaglespec.model.quant import Int4Linear, quantize_model
+from eaglespec.model.quant import Int4Linear, Int8Linear, dense_rows, quantize_model
 
 pytestmark = pytest.mark.skipif(
     w4a8.available() is not None, reason=f"w4a8 kernel unavailable: {w4a8.available()}"
@@ -89,6 +89,30 @@ def test_dequantize_reads_back_the_packed_weight(shape: tuple[int, int]) -> None
     x = torch.randn(3, k)
     y = w4a8.W8A8Linear.from_linear(layer)(x)
     torch.testing.assert_close(y, x @ want8.T, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
+def test_rows_of_a_large_head_are_unpacked_alone(kind: type[w4a8.W4A8Linear]) -> None:
+    """`quant.dense_rows` reads chosen rows (a draft vocabulary's, in any order, repeated) from
+    the blocked bytes a chunk of blocks at a time, exactly as the whole dequantized weight has
+    them: over several chunks, the last one partial and its last block padded (N = 2,100)."""
+    layer = _layer(2100, 64, bias=False)
+    mod = kind.from_linear(layer)
+    whole = mod.dequantize()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.randperm(2100, generator=gen)[:300], torch.tensor([2099, 0, 5, 5])])
+    assert torch.equal(dense_rows(mod, ids), whole[ids])
+    assert dense_rows(mod, ids[:0]).shape == (0, 64)
+    with pytest.raises(IndexError, match="0, 2100"):
+        dense_rows(mod, torch.tensor([2100]))
+
+
+def test_dense_rows_of_other_layers() -> None:
+    layer = _layer(64, 32, bias=False)
+    ids = torch.tensor([3, 63, 3])
+    assert torch.equal(dense_rows(layer, ids), layer.weight[ids])
+    q = Int8Linear.from_linear(layer)
+    assert torch.equal(dense_rows(q, ids), q.dequantize()[ids])
 
 
 def test_4bit_codes_are_a_q4_1_tensors_own() -> None:

@@ -46,7 +46,7 @@ from eaglespec.model.checkpoint import read_json_object
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
 from eaglespec.model.loader import parse_dtype, split_rows
-from eaglespec.model.quant import dense_weight
+from eaglespec.model.quant import dense_rows
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _LAYER_NAME = re.compile(r"^(?:midlayer|midlayers\.(\d+)|layers\.(\d+))\.(.+)$")
@@ -253,7 +253,7 @@ def _build(
     state = {name: t.to(device) for name, t in state.items()} | {"d2t": d2t.to(device)}
     if not own_lm and not share_lm:
         ids = (torch.arange(cfg.draft_vocab_size) + d2t).to(device)  # (Vd,) target ids
-        state["lm_head.weight"] = dense_weight(target.lm_head)[ids].to(dtype)  # (Vd, C)
+        state["lm_head.weight"] = dense_rows(target.lm_head, ids).to(dtype)  # (Vd, C)
         head.lm_head_is_target_rows = True
     head.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:

@@ -194,6 +194,10 @@ class Int8Linear(_QuantLinear):
         """(N, K) fp32: exactly the weight the kernel multiplies by (s and q widened to fp32)."""
         return self.weight.float() * self.scales.float()[:, None]
 
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), K) fp32: rows `ids` of `dequantize()`."""
+        return self.weight[ids].float() * self.scales[ids].float()[:, None]
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if x2.shape[0] > KERNEL_MAX_ROWS:
             return F.linear(x2.float(), self.dequantize())  # (M, N) fp32
@@ -278,6 +282,19 @@ class Int4Linear(_QuantLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, bias={bias}"
         )
+
+
+def dense_rows(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """(len(ids), K) rows `ids` of `dense_weight(layer)`, without a dense copy of the whole
+    matrix where the layer can unpack just those rows (w4a8's: a draft vocabulary's rows of a
+    large output head)."""
+    if isinstance(layer, nn.Linear):
+        return layer.weight.detach()[ids]
+    rows = getattr(layer, "dequantize_rows", None)
+    if rows is not None:
+        out: torch.Tensor = rows(ids)
+        return out
+    return dense_weight(layer)[ids]
 
 
 def dense_weight(layer: nn.Module) -> torch.Tensor:

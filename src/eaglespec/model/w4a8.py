@@ -184,6 +184,45 @@ def unpack8(w: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor
     return q.reshape(-1, K)[:N], _f16_values(rec[..., 512:544], N)
 
 
+def _dense4(w: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """(N, K) fp32 weights of `pack`'s blocked bytes: q * s + mn."""
+    q, s, mn = unpack(w, N, K)
+    return q.float() * s.repeat_interleave(GROUP, 1) + mn.repeat_interleave(GROUP, 1)
+
+
+def _dense8(w: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """(N, K) fp32 weights of `pack8`'s blocked bytes: q * s."""
+    q, s = unpack8(w, N, K)
+    return q.float() * s.repeat_interleave(GROUP, 1)
+
+
+_GATHER_BLOCKS = 64  # weight blocks of ROWS rows that `_gather_rows` unpacks at once
+
+
+def _gather_rows(
+    w: torch.Tensor,  # blocked bytes of an (N, K) weight, `record` bytes per block and group
+    N: int,
+    K: int,
+    ids: torch.Tensor,  # (R,) int64 row ids in [0, N)
+    record: int,
+    dense: Callable[[torch.Tensor, int, int], torch.Tensor],  # `_dense4` or `_dense8`
+) -> torch.Tensor:
+    """(R, K) fp32 rows `ids` of the weight. A block's ROWS rows are contiguous in `w`, so a
+    chunk of blocks is a slice: it is unpacked alone, and only chunks holding a wanted row."""
+    ids = ids.to(torch.int64).cpu()
+    if len(ids) and not (int(ids.min()) >= 0 and int(ids.max()) < N):  # host sync: checks
+        raise IndexError(f"row ids must be in [0, {N})")
+    blocks = w.view(-1, (K // GROUP) * record)  # (N/ROWS, bytes per block)
+    out = torch.empty(len(ids), K)
+    span = _GATHER_BLOCKS * ROWS
+    for r0 in range(0, N, span):
+        here = ((ids >= r0) & (ids < r0 + span)).nonzero().flatten()  # (h,) positions in ids
+        if len(here):
+            chunk = blocks[r0 // ROWS : (r0 + span) // ROWS].reshape(-1)
+            out[here] = dense(chunk, min(N - r0, span), K)[ids[here] - r0]
+    return out
+
+
 def _f16_values(b: torch.Tensor, N: int) -> torch.Tensor:
     """(blocks, K/G, 32) bytes of a group record's fp16 field -> (N, K/G) fp32 (`_f16_bytes`'s
     inverse)."""
@@ -292,9 +331,11 @@ class W4A8Linear(_QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) fp32: q * s + mn, the weight the kernel multiplies activations by."""
-        q, s, mn = unpack(self.weight, self.out_features, self.in_features)
-        G = GROUP
-        return q.float() * s.repeat_interleave(G, 1) + mn.repeat_interleave(G, 1)
+        return _dense4(self.weight, self.out_features, self.in_features)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), K) fp32: rows `ids` of `dequantize()`, a chunk of weight blocks at a time."""
+        return _gather_rows(self.weight, self.out_features, self.in_features, ids, 320, _dense4)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         # (M, K) fp32 or bf16 -> (M, N) in x2's dtype
@@ -326,8 +367,12 @@ class W8A8Linear(_QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) fp32: q * s, the weight the kernel multiplies activations by."""
-        q, s = unpack8(self.weight, self.out_features, self.in_features)
-        return q.float() * s.repeat_interleave(GROUP, 1)
+        return _dense8(self.weight, self.out_features, self.in_features)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), K) fp32: rows `ids` of `dequantize()`, a chunk of weight blocks at a time
+        (the draft vocabulary's rows of a 151,936-row output head without its 933 MB dense)."""
+        return _gather_rows(self.weight, self.out_features, self.in_features, ids, 544, _dense8)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         # (M, K) fp32 or bf16 -> (M, N) in x2's dtype

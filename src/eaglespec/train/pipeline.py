@@ -31,7 +31,7 @@ from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model.loader import LoadedModel, load_model, parse_dtype
-from eaglespec.model.quant import dense_weight
+from eaglespec.model.quant import dense_rows
 from eaglespec.registry import resolve_model
 from eaglespec.requests import collect_outputs
 from eaglespec.train.data import read_all, with_variants
@@ -104,7 +104,6 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     report["target_precision"] = asdict(target.precision)
     log(f"target: {target.precision.dtype} {target.precision.quant}")
     tcfg = target.config
-    head_weight = dense_weight(target.model.lm_head)  # (V, Ct) the target's output rows
     capture = resolve_capture_layers(DraftConfig.like_target(tcfg), tcfg.num_layers, cfg.capture)
     report["capture"] = list(capture)
     # The head to continue is loaded and checked before regeneration, not after an hour of it.
@@ -202,9 +201,11 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     by_key = {k: s.sample(i) for s in shards for i, k in enumerate(s.keys)}
     train_f = [by_key[s.key] for s in train_s if s.key in by_key]
     held_f = [by_key[s.key] for s in held_s if s.key in by_key]
+    # (Vd, Ct) the target's output rows of the draft vocabulary, unpacked without the whole head
+    target_rows = dense_rows(target.model.lm_head, vocab.ids)
     head = build_head(
         target,
-        head_weight,
+        target_rows,
         vocab,
         len(capture),
         cfg.device,
@@ -224,11 +225,11 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         head,
         train_f,
         vocab,
-        head_weight,
+        target_rows,
         cfg.train,
         checkpoint=work / "checkpoint.pt",
         on_step=_step_logger(log, curve, meter, cfg.train.ttt_steps),
-        on_epoch=_epoch_eval(log, heldout_curve, head, held_f, vocab, head_weight, cfg),
+        on_epoch=_epoch_eval(log, heldout_curve, head, held_f, vocab, target_rows, cfg),
     )
     times["train"] = time.perf_counter() - t
     rates["train"] = {**meter.result(), "tokens_are": "positions x unrolled steps"}
@@ -263,7 +264,7 @@ def split_heldout(samples: Sequence[Sample], share: float) -> tuple[list[Sample]
 
 def build_head(
     target: LoadedModel,
-    head_weight: torch.Tensor,  # (V, Ct) the target's output rows (quant.dense_weight)
+    target_rows: torch.Tensor,  # (Vd, Ct) the target's output rows of the vocabulary
     vocab: DraftVocab,
     num_aux: int,
     device: str,
@@ -289,7 +290,7 @@ def build_head(
     head.shares_embed = True  # the target's embedding: never saved with the head
     with torch.no_grad():
         assert isinstance(head.lm_head, nn.Linear) and head.norm is not None
-        head.lm_head.weight.copy_(head_weight[vocab.ids].float())
+        head.lm_head.weight.copy_(target_rows.float())
         head.norm.weight.copy_(model.norm.weight.detach().float())
         head.d2t.copy_(vocab.d2t)
     if lm_head == "target":
@@ -428,7 +429,7 @@ def _epoch_eval(
     head: Eagle3Head,
     held: Sequence[FeatureShard],
     vocab: DraftVocab,
-    head_weight: torch.Tensor,
+    target_rows: torch.Tensor,
     cfg: PipelineConfig,
 ) -> Callable[[int], None]:
     """Held-out training-time-test metrics after each epoch (rank 0)."""
@@ -436,7 +437,7 @@ def _epoch_eval(
     def on_epoch(epoch: int) -> None:
         if world()[0] != 0:
             return
-        m = evaluate(head, held, vocab, head_weight, cfg.train)
+        m = evaluate(head, held, vocab, target_rows, cfg.train)
         curve.append({"epoch": epoch, **m})
         if m:
             log(f"epoch {epoch} held-out: acc {m['acc'][:4]} proxy {m['accept_proxy']:.2f}")

@@ -95,9 +95,15 @@ class TTTModule(nn.Module):
         return ttt_forward(self.head, batch, self.steps, loss=self.loss)
 
 
-def target_head_rows(lm_head_weight: torch.Tensor, vocab: DraftVocab) -> torch.Tensor:
-    """(Vd, Ct) fp32: the target's lm_head rows of the draft vocabulary."""
-    return lm_head_weight.detach()[vocab.ids].float()
+def _target_rows(
+    target_rows: torch.Tensor, vocab: DraftVocab, device: torch.device
+) -> torch.Tensor:
+    """(Vd, Ct) fp32 on `device`: the target's lm_head rows of the draft vocabulary, checked."""
+    if target_rows.shape[0] != len(vocab.ids):
+        raise ValueError(
+            f"target_rows has {target_rows.shape[0]} rows, the draft vocabulary {len(vocab.ids)}"
+        )
+    return target_rows.detach().float().to(device)
 
 
 def collate(
@@ -150,7 +156,7 @@ def train(
     head: Eagle3Head,
     samples: Sequence[FeatureShard],
     vocab: DraftVocab,
-    target_lm_head: torch.Tensor,  # (V, Ct) the target's lm_head weight
+    target_rows: torch.Tensor,  # (Vd, Ct) the target's lm_head rows of the draft vocabulary
     cfg: TrainConfig,
     *,
     checkpoint: Path | None = None,
@@ -174,7 +180,7 @@ def train(
         head.load_state_dict(state["head"], strict=False)
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
-    rows = target_head_rows(target_lm_head, vocab).to(device)
+    rows = _target_rows(target_rows, vocab, device)
     t2d = vocab.t2d.to(device)
     weights = torch.tensor([cfg.decay**j for j in range(cfg.ttt_steps)], device=device)
     history: list[StepStats] = []
@@ -251,7 +257,7 @@ def evaluate(
     head: Eagle3Head,
     samples: Sequence[FeatureShard],
     vocab: DraftVocab,
-    target_lm_head: torch.Tensor,
+    target_rows: torch.Tensor,  # (Vd, Ct) as in `train`
     cfg: TrainConfig,
 ) -> dict[str, Any]:
     """Training-time-test metrics on `samples` (held out): per-step top-1 agreement with the
@@ -259,7 +265,7 @@ def evaluate(
     if not samples:
         return {}
     device = head.device
-    rows = target_head_rows(target_lm_head, vocab).to(device)
+    rows = _target_rows(target_rows, vocab, device)
     t2d = vocab.t2d.to(device)
     totals = torch.zeros(3, cfg.ttt_steps)
     for idx in length_batches([len(s.ids) for s in samples], cfg.batch_tokens):
