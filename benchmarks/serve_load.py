@@ -115,8 +115,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", help="EAGLE-3 head folder (default: the one shipped for the model)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quant", default="none")
+    ap.add_argument("--dtype", default="auto", help="default: what `eaglespec serve` runs")
+    ap.add_argument("--quant", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--compile", default="none")
     ap.add_argument("--draft-tokens", type=int, default=4)
@@ -139,8 +139,8 @@ def main() -> None:
     )  # fmt: skip
     levels = int_list(args.clients, "--clients")
     rows = []
-    print(f"model {args.model}, draft {draft}, {args.device}, dtype {args.dtype}, "
-          f"quant {args.quant}, "
+    print(f"model {args.model}, draft {draft}, {args.device}, dtype {llm.loaded.precision.dtype}, "
+          f"quant {llm.loaded.precision.quant}, "
           f"compile {args.compile}, threads {torch.get_num_threads()}, "
           f"{args.requests} requests/client x {args.max_tokens} tokens")  # fmt: skip
     print("| speculation | clients | tok/s | TTFT p50 ms | TPOT ms | ITL p50 ms | ITL p99 ms |")
