@@ -4,7 +4,7 @@ Fields OpenAI defines that eaglespec cannot honour (echo, suffix, penalties, too
 response formats) are refused with a 400 naming the field rather than silently ignored; unknown
 extra fields are ignored, as OpenAI's own server does. `top_k`, `min_p` and `ignore_eos` are
 extensions, as in vLLM; `provenance: true` adds each choice's tokens marked by how they landed
-(accepted draft, prompt-lookup copy, the target's bonus or correction: docs/serving.md).
+(accepted draft, prompt-lookup copy, the target's bonus or correction: README.md, Serving).
 """
 
 from __future__ import annotations

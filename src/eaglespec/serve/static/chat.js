@@ -1,6 +1,6 @@
 // eaglespec's chat page: a conversation through the OpenAI-compatible API (streamed), each
 // answer's tokens marked by how they landed. The marks come from the `provenance` extension
-// (docs/serving.md): every streamed chunk of a speculation round carries
+// (README.md, Serving): every streamed chunk of a speculation round carries
 // {"drafted", "accepted", "tokens": [{"text", "source"}]}, source one of draft, lookup, bonus,
 // corrected, target. No build step and no network beyond this server.
 "use strict";
