@@ -109,9 +109,7 @@ def create_app(
     max_len = min(limit, options.max_model_len or limit)
     metrics = ServerMetrics()
     modes = SPECULATION_MODES if llm.proposer is not None else ("off",)
-    mode = options.speculation or llm.speculation
-    if llm.proposer is None:
-        mode = "off"
+    mode = (options.speculation or llm.speculation) if llm.proposer is not None else "off"
     # one policy per mode, made when first chosen and kept: switching back to adaptive keeps
     # what it measured
     policies: dict[str, DraftPolicy] = {llm.speculation: llm.policy} if llm.proposer else {}

@@ -182,9 +182,9 @@ def synthesize_prompts(
     prefix = user_turn_prefix(tokenizer)
     seed = cfg.seed * 1_000_000 + max((int(c.source.split(":")[1]) for c in have), default=-1) + 1
     draws = 4 * max(cfg.prompts - len(have), 0)
+    starts = {s: starter_for(s, cfg.starters) for s in range(seed, seed + draws)}
     jobs = []
-    for s in range(seed, seed + draws):
-        start = starter_for(s, cfg.starters)
+    for s, start in starts.items():
         ids = prefix + (tokenizer.encode(start.text, add_special=False) if start else [])
         room = max(cfg.max_tokens, start.max_tokens) if start else cfg.max_tokens
         params = SamplingParams(
@@ -199,7 +199,7 @@ def synthesize_prompts(
                 break
             o, draw = a.output, a.job.params.seed
             assert draw is not None  # every draw is seeded above
-            start = starter_for(draw, cfg.starters)
+            start = starts[draw]
             text = ((start.text if start else "") + o.text).strip()
             ended = o.finish_reason == "stop"
             # the model's own words: at least min_words, or two after a starter
