@@ -10,8 +10,9 @@ The target (at the commands' default precision) answers the first turn of the fi
 questions of each file greedily, as `eaglespec train` regenerates its data (regen.py); its states
 are captured in one batched prefill (features.py), and every head is scored on the same positions
 (trainer.evaluate). No timing: the numbers do not depend on the machine's load, so heads can be
-compared in minutes while the six-set bench (`eaglespec bench`) takes an hour. A head's held-out
-top-1 (its model card) against these numbers says how far its training data is from these sets.
+compared while other work runs (the six-set bench, `eaglespec bench`, times its methods and needs
+quiet cores). A head's held-out top-1 (its model card) against these numbers says how far its
+training data is from these sets.
 """
 
 from __future__ import annotations
