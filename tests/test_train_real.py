@@ -1,7 +1,7 @@
 """`eaglespec train` end to end, in its own process, on the real default model at its defaults
-(the GGUF's own precision, bf16 w4a8): answering, feature capture, training from the shipped
-head, the held-out evaluation and the report's per-stage throughput, and a run stopped after some
-answers resumes with them, answering only the rest."""
+(the GGUF's own precision, bf16 w4a8): answering (which captures the features as it goes),
+training from the shipped head, the held-out evaluation and the report's per-stage throughput,
+and a run stopped after some answers resumes with them, answering only the rest."""
 
 from __future__ import annotations
 
@@ -58,7 +58,10 @@ def test_train_end_to_end_resumes_and_reports_throughput(tmp_path: Path) -> None
     lines = responses.read_text().splitlines()
     assert lines[:2] == kept and len(lines) == len(questions)  # resumed: only the rest answered
     assert report["regen"]["new"] == len(questions) - 2
-    for stage in ("regen", "features", "train"):
+    # greedy answers brought their states with them: the feature stage prefilled nothing
+    assert report["features_while_answering"] == len(questions) - 2
+    assert report["throughput"]["features"]["tokens"] == 0
+    for stage in ("regen", "train"):
         rate = report["throughput"][stage]
         assert rate["tokens"] > 0 and rate["seconds"] > 0
         assert rate["tokens_per_s"] == pytest.approx(rate["tokens"] / rate["seconds"], rel=0.1)

@@ -13,22 +13,26 @@ Jobs join in the order given, so a caller that orders them by length keeps the c
 
 Each row's tokens are computed as if it decoded alone: the kernels compute every row the same
 way whatever the other rows, at the commands' default precision (model/w4a8.py).
+
+With `capture`, each answer also brings the target's states of its every position, taken as it
+was answered (recorder.FeatureRecorder): what a feature prefill over it would compute.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from eaglespec.config import SamplingParams
-from eaglespec.draft.base import NoDraft
+from eaglespec.draft.base import NoDraft, Proposer
 from eaglespec.engine import BatchRunner
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import RequestOutput, StreamEvent
 from eaglespec.tokenizer import Tokenizer
+from eaglespec.train.recorder import FeatureRecorder, RowFeatures
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,7 @@ class Job:
 class Answer:
     job: Job
     output: RequestOutput
+    features: RowFeatures | None = None  # with answer_all(capture=...)
 
 
 @torch.inference_mode()  # per resumption of the generator, like generate_stream
@@ -52,19 +57,27 @@ def answer_all(
     *,
     max_rows: int = 64,
     budget: int = 24576,
+    capture: Sequence[int] | None = None,  # boundaries whose states each answer brings
 ) -> Iterator[Answer]:
     """Every job's answer, in the order they finish. Closing the iterator stops decoding."""
-    runner = BatchRunner(model, NoDraft(), tokenizer, max_draft=0)
+    started: list[list[RowFeatures]] = []  # each prefill group's records, filled by the recorder
+    proposer: Proposer = (
+        NoDraft() if capture is None else FeatureRecorder(model, capture, started.append)
+    )
+    runner = BatchRunner(model, proposer, tokenizer, max_draft=0)
     queue = deque(jobs)
-    running: dict[int, Job] = {}  # request index -> job
+    running: dict[int, tuple[Job, RowFeatures | None]] = {}  # request index -> job, record
     index = 0
     while queue or runner.seqs:
         group = _newcomers(runner, queue, max_rows, budget)
         if group:
             ids = range(index, index + len(group))
-            running.update(zip(ids, group, strict=True))
             index += len(group)
             events = runner.join([j.prompt for j in group], [j.params for j in group], ids)
+            records: Sequence[RowFeatures | None] = (
+                started.pop() if started else [None] * len(group)
+            )
+            running.update(zip(ids, zip(group, records, strict=True), strict=True))
             yield from _finished(events, running)
         if runner.seqs:
             yield from _finished(runner.round(0, None).events, running)
@@ -92,7 +105,10 @@ def _newcomers(runner: BatchRunner, queue: deque[Job], max_rows: int, budget: in
     return group
 
 
-def _finished(events: list[StreamEvent], running: dict[int, Job]) -> Iterator[Answer]:
+def _finished(
+    events: list[StreamEvent], running: dict[int, tuple[Job, RowFeatures | None]]
+) -> Iterator[Answer]:
     for event in events:
         if event.output is not None:
-            yield Answer(running.pop(event.index), event.output)
+            job, record = running.pop(event.index)
+            yield Answer(job, event.output, record)

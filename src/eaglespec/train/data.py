@@ -40,6 +40,16 @@ class Conversation:
     source: str  # "file.jsonl:12" (line or item) + ":variant" when recast
 
 
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One regenerated turn (regen.py): its context and the target's answer, as token ids."""
+
+    key: str  # conversation source + "#" + turn index
+    prompt: list[int]  # the chat-templated context, ending in the assistant header
+    response: list[int]  # the target's answer (+ end-of-turn token when it stopped by itself)
+    finish: str
+
+
 def read_conversations(path: str | Path) -> list[Conversation]:
     """Every conversation in one data file, in file order."""
     path = Path(path)

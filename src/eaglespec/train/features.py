@@ -10,6 +10,11 @@ token over the full vocabulary, and whether the token belongs to the response (t
 Shards `shard-NNNNN.safetensors` hold whole samples back to back (`offsets` marks them) and are
 written one batch group at a time, so an interrupted capture resumes at the next shard.
 
+Two ways to the same bits: `capture_features` runs batched prefills over finished samples;
+`recorded_sample` turns what recorder.FeatureRecorder took while the target answered into the
+same tensors, so greedy answering at the commands' precision leaves nothing for a prefill to
+compute (recorder.py says which positions differ: none that is ever trained on).
+
 Dims: N positions in a shard, S samples in it, A captured states, Ct target hidden.
 """
 
@@ -26,7 +31,8 @@ from safetensors.torch import load_file, save_file
 
 from eaglespec.model.llama import Transformer
 from eaglespec.train.batching import length_batches
-from eaglespec.train.regen import Sample
+from eaglespec.train.data import Sample
+from eaglespec.train.recorder import RowFeatures
 
 
 @dataclass(slots=True)
@@ -87,6 +93,15 @@ def shard_paths(folder: Path) -> list[Path]:
     return sorted(folder.glob("shard-*.safetensors"))
 
 
+def save_group(
+    folder: Path, parts: Sequence[tuple[torch.Tensor, ...]], keys: list[str], capture: Sequence[int]
+) -> Path:
+    """Samples' (ids, aux, final, top, loss_mask) as the next shard of `folder`."""
+    path = folder / f"shard-{len(shard_paths(folder)):05d}.safetensors"
+    save_shard(_concat(list(parts), keys), path, capture)
+    return path
+
+
 @torch.no_grad()
 def capture_features(
     model: Transformer,
@@ -104,7 +119,6 @@ def capture_features(
     todo = sorted(
         (s for s in samples if s.key not in have), key=lambda s: len(s.prompt) + len(s.response)
     )
-    n = len(shard_paths(folder))
     for start in range(0, len(todo), shard_samples):
         group = todo[start : start + shard_samples]
         parts = []
@@ -113,10 +127,7 @@ def capture_features(
             parts.extend(_capture_batch(model, batch, capture))
             if on_batch is not None:
                 on_batch(len(batch), sum(len(s.prompt) + len(s.response) for s in batch))
-        save_shard(
-            _concat(parts, [s.key for s in group]), folder / f"shard-{n:05d}.safetensors", capture
-        )
-        n += 1
+        save_group(folder, parts, [s.key for s in group], capture)
     return shard_paths(folder)
 
 
@@ -169,3 +180,53 @@ def _concat(parts: list[tuple[torch.Tensor, ...]], keys: list[str]) -> FeatureSh
         offsets=offsets,
         keys=keys,
     )
+
+
+def recorded_sample(row: RowFeatures, sample: Sample) -> tuple[torch.Tensor, ...] | None:
+    """(ids, aux, final, top, loss_mask) of `sample` from its answering record, as
+    `_capture_batch` gives them (module docstring: the positions never trained on aside); None
+    when the record does not cover the sample's positions but its last (an answer cut by a stop
+    string, whose end-of-turn token was never the target's)."""
+    ids = torch.tensor(sample.prompt + sample.response)
+    n = len(ids)
+    aux, final, chosen = torch.cat(row.aux), torch.cat(row.final), torch.cat(row.chosen)
+    if aux.shape[0] != n - 1:
+        return None
+    pad = aux.new_zeros(1, aux.shape[1])
+    top = torch.cat([chosen.cpu(), torch.zeros(1, dtype=torch.long)])
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[len(sample.prompt) :] = True
+    return (
+        ids,
+        torch.cat([aux, pad]).cpu(),
+        torch.cat([final, final.new_zeros(1, final.shape[1])]).cpu(),
+        top,
+        mask,
+    )
+
+
+class FeatureSink:
+    """Shards of the samples answered with a recorder (recorder.py), `shard_samples` at a time,
+    into the folder `capture_features` fills, which then skips them."""
+
+    def __init__(self, folder: Path, capture: Sequence[int], shard_samples: int = 256) -> None:
+        self.folder, self.capture, self.shard_samples = folder, tuple(capture), shard_samples
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+        self.keys: list[str] = []
+        self.samples = 0  # written to shards so far
+
+    def add(self, sample: Sample, row: RowFeatures) -> None:
+        part = recorded_sample(row, sample)
+        if part is None:  # its features come from a prefill later
+            return
+        self.parts.append(part)
+        self.keys.append(sample.key)
+        if len(self.keys) >= self.shard_samples:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.keys:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_group(self.folder, self.parts, self.keys, self.capture)
+            self.samples += len(self.keys)
+            self.parts, self.keys = [], []

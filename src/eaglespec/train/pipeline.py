@@ -35,7 +35,13 @@ from eaglespec.model.quant import dense_rows
 from eaglespec.registry import resolve_model
 from eaglespec.requests import collect_outputs
 from eaglespec.train.data import read_all, with_variants
-from eaglespec.train.features import FeatureShard, capture_features, load_shard, shard_paths
+from eaglespec.train.features import (
+    FeatureShard,
+    FeatureSink,
+    capture_features,
+    load_shard,
+    shard_paths,
+)
 from eaglespec.train.meter import Meter
 from eaglespec.train.regen import RegenConfig, Sample, read_samples, regenerate
 from eaglespec.train.synth import (
@@ -130,8 +136,16 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         log(f"regen: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} user turns")
         responses = work / "responses.jsonl"
         meter = Meter("regen", "turns", log)
+        # greedy answers bring their features with them (recorder.py): no prefill over them later
+        sink = FeatureSink(work / "features", capture) if cfg.regen.temperature == 0 else None
         summary = regenerate(
-            target.model, target.tokenizer, convs, responses, cfg.regen, on_batch=meter.add
+            target.model,
+            target.tokenizer,
+            convs,
+            responses,
+            cfg.regen,
+            on_batch=meter.add,
+            features=sink,
         )
         extra, completions = [], []
         if cfg.summaries or cfg.completions:
@@ -158,6 +172,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
                 responses,
                 uncapped,
                 on_batch=meter.add,
+                features=sink,
             )
             summary = replace(
                 summary,
@@ -166,6 +181,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
             )
         rates["regen"] = meter.result()
         report["regen"] = asdict(summary)
+        report["features_while_answering"] = 0 if sink is None else sink.samples
         log(f"regen: {summary.samples} responses, {summary.response_tokens} tokens")
     _barrier()
     times["regen"] = time.perf_counter() - t

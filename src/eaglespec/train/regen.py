@@ -28,7 +28,8 @@ from eaglespec.model.llama import Transformer
 from eaglespec.tokenizer import Tokenizer
 from eaglespec.train.answering import Job, answer_all
 from eaglespec.train.batching import length_batches
-from eaglespec.train.data import Conversation
+from eaglespec.train.data import Conversation, Sample
+from eaglespec.train.features import FeatureSink
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,14 +41,6 @@ class RegenConfig:
     batch_tokens: int = 24576  # prompt + new tokens per batch (bounds the KV cache and padding)
     max_batch: int = 64
     max_samples: int | None = None  # stop once the file holds this many responses
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    key: str  # conversation source + "#" + turn index
-    prompt: list[int]  # the chat-templated context, ending in the assistant header
-    response: list[int]  # the target's answer (+ end-of-turn token when it stopped by itself)
-    finish: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +88,13 @@ def regenerate(
     cfg: RegenConfig,
     *,
     on_batch: Callable[[int, int], None] | None = None,  # (turns, new tokens) per answer
+    features: FeatureSink | None = None,
 ) -> RegenSummary:
-    """Answer every user turn of `convs`, appending to `out_path`; turns already there are kept."""
+    """Answer every user turn of `convs`, appending to `out_path`; turns already there are kept.
+    With `features` (greedy answering only), each answer's states are kept as it was answered and
+    written as feature shards (features.py), so the feature stage finds them there."""
+    if features is not None and cfg.temperature > 0:
+        raise ValueError("features are taken while answering only greedily (temperature 0)")
     drop_partial_tail(out_path)  # a killed run's last, half-written line
     done = {s.key: s for s in read_samples(out_path)}
     eot = tokenizer.eos_ids[0]  # the chat template's end-of-turn token comes first
@@ -125,7 +123,12 @@ def regenerate(
                 break
             jobs = [Job(key, ids, params) for batch in _batches(todo, cfg) for key, ids in batch]
             answers = answer_all(
-                model, tokenizer, jobs, max_rows=cfg.max_batch, budget=cfg.batch_tokens
+                model,
+                tokenizer,
+                jobs,
+                max_rows=cfg.max_batch,
+                budget=cfg.batch_tokens,
+                capture=None if features is None else features.capture,
             )
             for a in answers:
                 o = a.output
@@ -134,12 +137,16 @@ def regenerate(
                 done[s.key] = s
                 f.write(json.dumps(asdict(s)) + "\n")
                 f.flush()  # each answer is kept as soon as it is written
+                if features is not None and a.features is not None:
+                    features.add(s, a.features)
                 new += 1
                 if on_batch is not None:
                     on_batch(1, len(resp))
                 if cfg.max_samples is not None and len(done) >= cfg.max_samples:
                     answers.close()  # stops decoding the rows still running
                     break
+    if features is not None:
+        features.flush()  # answers written without their shard are captured by a prefill later
     total = sum(len(s.response) for s in done.values())
     return RegenSummary(len(done), new, skipped, total)
 
