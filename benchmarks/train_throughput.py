@@ -5,7 +5,9 @@
                                           [--dtype auto --quant auto] [--repeats 1]
 
 Answers: the first --answers prompts of GSM8K's training questions and the Alpaca seed tasks
-(half each, from ../shared/data/train), up to 256 new tokens. Run it from an old checkout
+(half each, from ../shared/data/train), up to 256 new tokens; then the same answers again with
+their features taken as they are answered (train/recorder.py), the pipeline's way since
+2026-11-26, against answering + features above. Run it from an old checkout
 (PYTHONPATH=OLD/src) with the same arguments to compare: it uses only the stage functions both
 have. Prints one markdown row per stage and repeat.
 """
@@ -21,6 +23,11 @@ from eaglespec.model.loader import load_model
 from eaglespec.registry import resolve_model
 from eaglespec.train.data import read_all
 from eaglespec.train.features import capture_features
+
+try:
+    from eaglespec.train.features import FeatureSink
+except ImportError:  # a checkout from before features were taken while answering
+    FeatureSink = None  # type: ignore[assignment,misc]
 from eaglespec.train.regen import RegenConfig, read_samples, regenerate
 from eaglespec.train.synth import SynthConfig, synthesize_prompts
 
@@ -78,6 +85,21 @@ def main() -> None:
         capture_features(target.model, samples, (2, L // 2, L - 3), work / "features")
         positions = sum(len(s.prompt) + len(s.response) for s in samples)
         _row(args.label, precision, "features", len(samples), positions, time.perf_counter() - t)
+        if FeatureSink is None:  # an old checkout: no features while answering
+            continue
+        t = time.perf_counter()
+        sink = FeatureSink(work / "recorded", (2, L // 2, L - 3))
+        summary = regenerate(
+            target.model, target.tokenizer, convs, work / "r2.jsonl", RegenConfig(), features=sink
+        )
+        _row(
+            args.label,
+            precision,
+            f"answering + features ({sink.samples} recorded)",
+            summary.new,
+            summary.response_tokens,
+            time.perf_counter() - t,
+        )
 
 
 def _row(label: str, precision: str, stage: str, items: int, tokens: int, seconds: float) -> None:

@@ -182,6 +182,8 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         rates["regen"] = meter.result()
         report["regen"] = asdict(summary)
         report["features_while_answering"] = 0 if sink is None else sink.samples
+        if sink is not None:
+            log(f"regen: features of {sink.samples} answers taken while answering")
         log(f"regen: {summary.samples} responses, {summary.response_tokens} tokens")
     _barrier()
     times["regen"] = time.perf_counter() - t
