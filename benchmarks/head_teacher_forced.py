@@ -7,8 +7,8 @@ and the greedy acceptance proxy), but on the answers users' kinds of requests ge
         [--max-tokens 128] [--ttt-steps 4] [--out DIR]
 
 The target (at the commands' default precision) answers the first turn of the first `--limit`
-questions of each file greedily, as `eaglespec train` regenerates its data (regen.py); its states
-are captured in one batched prefill (features.py), and every head is scored on the same positions
+questions of each file greedily, as `eaglespec train` regenerates its data (regen.py), keeping
+its states as it answers (recorder.py), and every head is scored on the same positions
 (trainer.evaluate). No timing: the numbers do not depend on the machine's load, so heads can be
 compared while other work runs (the six-set bench, `eaglespec bench`, times its methods and needs
 quiet cores). A head's held-out top-1 (its model card) against these numbers says how far its
@@ -30,7 +30,7 @@ from eaglespec.model.loader import load_model
 from eaglespec.model.quant import dense_rows
 from eaglespec.registry import resolve_model
 from eaglespec.train.data import Conversation, read_conversations
-from eaglespec.train.features import capture_features, load_shard, shard_paths
+from eaglespec.train.features import FeatureSink, capture_features, load_shard, shard_paths
 from eaglespec.train.regen import RegenConfig, read_samples, regenerate
 from eaglespec.train.trainer import TrainConfig, evaluate
 from eaglespec.train.vocab import DraftVocab
@@ -54,22 +54,27 @@ def main() -> None:
     assert len(captures) == 1, f"the heads capture different layers: {captures}"
     capture = heads[0].capture
     cfg = TrainConfig(ttt_steps=args.ttt_steps)
+    vocabs = []  # per head: its draft vocabulary and the target's output rows of it
+    for loaded in heads:
+        head = loaded.head
+        ids = head.to_target(torch.arange(head.cfg.draft_vocab_size))  # (Vd,) ascending
+        vocab = DraftVocab(ids, target.model.cfg.vocab_size)
+        vocabs.append((vocab, dense_rows(target.model.lm_head, vocab.ids)))  # rows (Vd, Ct)
     results: dict[str, dict[str, Any]] = {h: {} for h in args.heads}
     for path in sorted(args.questions):
         name = Path(path).stem.removesuffix("_question")
         convs = [Conversation(c.turns[:1], c.source) for c in read_conversations(path)]
         answers = work / f"{name}.jsonl"
         regen = RegenConfig(max_new_tokens=args.max_tokens)
-        regenerate(target.model, target.tokenizer, convs[: args.limit], answers, regen)
         folder = work / f"features-{name}"
-        capture_features(target.model, read_samples(answers), capture, folder)
+        sink = FeatureSink(folder, capture)  # the states come with the answers (recorder.py)
+        regenerate(
+            target.model, target.tokenizer, convs[: args.limit], answers, regen, features=sink
+        )
+        capture_features(target.model, read_samples(answers), capture, folder)  # any left over
         feats = [s.sample(i) for s in map(load_shard, shard_paths(folder)) for i in range(len(s))]
-        for name_h, loaded in zip(args.heads, heads, strict=True):
-            head = loaded.head
-            ids = head.to_target(torch.arange(head.cfg.draft_vocab_size))  # (Vd,) ascending
-            vocab = DraftVocab(ids, target.model.cfg.vocab_size)
-            rows = dense_rows(target.model.lm_head, vocab.ids)  # (Vd, Ct)
-            results[name_h][name] = evaluate(head, feats, vocab, rows, cfg)
+        for name_h, loaded, (vocab, rows) in zip(args.heads, heads, vocabs, strict=True):
+            results[name_h][name] = evaluate(loaded.head, feats, vocab, rows, cfg)
     sets = sorted({s for r in results.values() for s in r})
     print("| head | " + " | ".join(sets) + " | mean |")
     print("|---|" + "---|" * (len(sets) + 1))

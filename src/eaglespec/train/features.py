@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from eaglespec.model.llama import Transformer
 from eaglespec.train.batching import length_batches
 from eaglespec.train.data import Sample
-from eaglespec.train.recorder import RowFeatures
+from eaglespec.train.recorder import RowFeatures, split_states
 
 
 @dataclass(slots=True)
@@ -154,8 +154,7 @@ def _capture_batch(
     positions = torch.arange(T, device=device).expand(B, T)
     last = torch.zeros(B, 1, dtype=torch.long, device=device)  # logits not needed here
     out = model(ids, positions, cache, capture=(*capture, L), logit_index=last)
-    aux = torch.cat(out.hidden[:-1], dim=-1)  # (B, T, A*Ct)
-    final = model.norm(out.hidden[-1])  # (B, T, Ct) post-norm, what lm_head reads
+    aux, final = split_states(model, out.hidden)  # (B, T, A*Ct), (B, T, Ct) post-norm
     top = model.lm_head(final).argmax(-1)  # (B, T)
     result: list[tuple[torch.Tensor, ...]] = []
     for b, (s, n) in enumerate(zip(batch, lengths, strict=True)):

@@ -23,6 +23,15 @@ import torch
 from eaglespec.model.llama import Transformer
 
 
+def split_states(
+    model: Transformer, hidden: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's states captured at (*capture, num_layers), each (B, T, Ct) -> aux (B, T,
+    A*Ct), the capture boundaries low -> high, and final (B, T, Ct), the post-norm last state
+    that lm_head reads. The feature prefill (features.py) and the recorder both split them here."""
+    return torch.cat(list(hidden[:-1]), dim=-1), model.norm(hidden[-1])
+
+
 @dataclass(slots=True)
 class RowFeatures:
     """One answering row's features so far (FeatureRecorder), in position order."""
@@ -50,12 +59,8 @@ class FeatureRecorder:
         started: Callable[[list[RowFeatures]], None],
     ) -> None:
         self.capture = (*capture, model.cfg.num_layers)  # the last: the final state, pre-norm
-        self.norm = model.norm
+        self.model = model
         self.started = started
-
-    def _states(self, hidden: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured states (each (B, T, Ct)) -> aux (B, T, A*Ct), final (B, T, Ct)."""
-        return torch.cat(list(hidden[:-1]), dim=-1), self.norm(hidden[-1])
 
     def start(
         self,
@@ -65,7 +70,7 @@ class FeatureRecorder:
         counts: Sequence[int],  # prompt length per row
         capacity: int,
     ) -> RecorderState:
-        states, final = self._states(aux)
+        states, final = split_states(self.model, aux)
         rows = []
         for b, n in enumerate(counts):
             # the prompt's own next tokens stand for its top-1 (never trained on), then the root
@@ -84,7 +89,7 @@ class FeatureRecorder:
         aux: Sequence[torch.Tensor],  # states of the previous root + accepted, each (B, A, Ct)
         counts: Sequence[int],
     ) -> RecorderState:
-        states, final = self._states(aux)
+        states, final = split_states(self.model, aux)
         for b, (row, n) in enumerate(zip(state.rows, counts, strict=True)):
             row.aux.append(states[b, :n])
             row.final.append(final[b, :n])
