@@ -29,8 +29,10 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs
+from eaglespec.train.batching import length_batches
 from eaglespec.train.data import Conversation, read_all, read_conversations, with_variants
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
+from eaglespec.train.meter import Deadline
 from eaglespec.train.pipeline import build_head
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 from eaglespec.train.trainer import TrainConfig, train
@@ -527,6 +529,34 @@ def test_train_save_load_decode_losslessly(tmp_path: Path, lm_head: str) -> None
     assert sum(accept) / len(accept) > 1.5, accept
 
 
+def test_training_stops_at_its_deadline_and_keeps_the_part_epoch(tmp_path: Path) -> None:
+    """`--train-seconds`: with a clock that moves a second at each reading (one reading made the
+    deadline, one before each step), training takes exactly the steps that fit, then evaluates
+    and checkpoints the part epoch; resuming without a deadline runs the rest of the schedule."""
+    target = tiny_target(0, vocab=V, layers=4)
+    samples, feats = _regenerated(target, default_capture(target.cfg.num_layers))
+    vocab = build_draft_vocab([s.response for s in samples], VD, V)
+    head = _trainable(random_eagle3(target, draft_vocab_size=VD, seed=1))
+    head.d2t.copy_(vocab.d2t)
+    cfg = TrainConfig(
+        epochs=2, lr=1e-2, warmup_steps=1, ttt_steps=2, dtype="float32", batch_tokens=32
+    )
+    rows = target.lm_head.weight[vocab.ids]
+    per_epoch = len(length_batches([len(f.ids) for f in feats], cfg.batch_tokens))
+    assert per_epoch >= 3
+    ticks = iter(range(10**6))
+    deadline = Deadline.after(2.5, lambda: float(next(ticks)))  # made at 0: steps at 1 and 2
+    epochs: list[int] = []
+    ckpt = tmp_path / "checkpoint.pt"
+    history = train(
+        head, feats, vocab, rows, cfg, checkpoint=ckpt, on_epoch=epochs.append, deadline=deadline
+    )
+    assert [h.step for h in history] == [1, 2] and epochs == [0]
+    assert torch.load(ckpt, weights_only=False)["step"] == 2
+    rest = train(head, feats, vocab, rows, cfg, checkpoint=ckpt)
+    assert [h.step for h in rest] == list(range(3, 2 * per_epoch + 1))
+
+
 def test_truncated_json_array_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "cut.json"
     path.write_text('[{"conversations": [{"from": "human", "value": "Hi"}]},\n {"conversa')
@@ -535,8 +565,6 @@ def test_truncated_json_array_is_an_error(tmp_path: Path) -> None:
 
 
 def test_length_batches_docstring_example_and_row_cap() -> None:
-    from eaglespec.train.batching import length_batches
-
     assert length_batches([5, 2, 3, 9], 8) == [[1, 2], [0], [3]]
     assert length_batches([1] * 5, 100, max_rows=2) == [[0, 1], [2, 3], [4]]
 

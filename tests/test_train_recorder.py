@@ -17,7 +17,7 @@ from eaglespec.model import w4a8
 from eaglespec.model.llama import Transformer
 from eaglespec.model.quant import quantize_model
 from eaglespec.train.answering import Answer, Job, answer_all
-from eaglespec.train.data import Sample
+from eaglespec.train.data import Conversation, Sample
 from eaglespec.train.features import (
     FeatureShard,
     FeatureSink,
@@ -25,7 +25,8 @@ from eaglespec.train.features import (
     load_shard,
     shard_paths,
 )
-from eaglespec.train.regen import RegenConfig, regenerate
+from eaglespec.train.meter import Deadline
+from eaglespec.train.regen import RegenConfig, read_samples, regenerate
 from helpers import NullTokenizer, tiny_target
 
 pytestmark = [
@@ -115,20 +116,24 @@ def test_recorded_features_are_the_prefills(
     assert capture_features(target, samples, capture, tmp_path / "recorded") == before
 
 
+class _Turns(NullTokenizer):
+    """User turns written as their ids ("5 17 33")."""
+
+    eos_ids = (V - 1,)
+
+    def encode_turns(self, turns, answers):  # type: ignore[no-untyped-def]
+        return [int(t) for t in turns[-1].split()]
+
+    def decode(self, ids):  # type: ignore[no-untyped-def]
+        return " ".join(map(str, ids))
+
+
+CONVS = [Conversation((" ".join(map(str, p)),), f"c{i}") for i, p in enumerate(PROMPTS)]
+
+
 def test_regenerate_writes_the_shards(target: Transformer, tmp_path: Path) -> None:
     """regen.py with a sink: every answer's shard row is written, keyed as its sample."""
-    from eaglespec.train.data import Conversation
-
-    class _Turns(NullTokenizer):
-        eos_ids = (V - 1,)
-
-        def encode_turns(self, turns, answers):  # type: ignore[no-untyped-def]
-            return [int(t) for t in turns[-1].split()]
-
-        def decode(self, ids):  # type: ignore[no-untyped-def]
-            return " ".join(map(str, ids))
-
-    convs = [Conversation((" ".join(map(str, p)),), f"c{i}") for i, p in enumerate(PROMPTS)]
+    convs = CONVS
     capture = default_capture(target.cfg.num_layers)
     sink = FeatureSink(tmp_path / "features", capture)
     cfg = RegenConfig(max_new_tokens=8)
@@ -144,3 +149,42 @@ def test_regenerate_writes_the_shards(target: Transformer, tmp_path: Path) -> No
             RegenConfig(temperature=0.7),
             features=sink,
         )
+
+
+class Ticks:
+    """A clock that moves one second at each reading: a deadline then passes after a known
+    number of checks, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_regenerate_stops_at_its_deadline_and_resumes(target: Transformer, tmp_path: Path) -> None:
+    """`--regen-seconds`: answering stops at the first answer that finishes after the deadline
+    (one clock reading before answering, one after each answer), keeps what it wrote with its
+    features, and a later run answers only the rest."""
+    capture = default_capture(target.cfg.num_layers)
+    sink = FeatureSink(tmp_path / "features", capture)
+    out = tmp_path / "r.jsonl"
+    cfg = RegenConfig(max_new_tokens=8)
+    # made at reading 1, due at 4.5; read before answering (2) and after answers 1, 2, 3 (3, 4,
+    # 5): the third is kept, then the run stops
+    late = Deadline.after(3.5, Ticks())
+    first = regenerate(target, _Turns(), CONVS, out, cfg, features=sink, deadline=late)
+    assert first.new == first.samples == 3 and sink.samples == 3
+    assert len(read_samples(out)) == 3 and set(_by_key(tmp_path / "features")) == {
+        s.key for s in read_samples(out)
+    }
+    passed = Deadline(at=0.0, clock=lambda: 1.0)
+    assert regenerate(target, _Turns(), CONVS, out, cfg, deadline=passed).new == 0
+    rest = regenerate(target, _Turns(), CONVS, out, cfg)
+    assert rest.new == len(PROMPTS) - 3 and rest.samples == len(PROMPTS)
+    # the stopped run's answers are those a run without a deadline gives
+    whole = tmp_path / "whole.jsonl"
+    regenerate(target, _Turns(), CONVS, whole, cfg)
+    by_key = {s.key: s.response for s in read_samples(whole)}
+    assert all(s.response == by_key[s.key] for s in read_samples(out))

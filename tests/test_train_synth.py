@@ -15,6 +15,7 @@ from eaglespec.draft.loader import load_eagle3, random_eagle3, save_eagle3
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
 from eaglespec.requests import collect_outputs
+from eaglespec.train.meter import Deadline
 from eaglespec.train.regen import Sample
 from eaglespec.train.synth import (
     COMPLETE,
@@ -126,6 +127,31 @@ def test_synthesis_gives_up_when_the_model_never_ends_a_turn(tmp_path: Path) -> 
     tok = WordTokenizer()
     cfg = SynthConfig(prompts=5, max_tokens=4, batch=8, min_words=50)  # nothing qualifies
     assert synthesize_prompts(target, tok, tmp_path / "s.jsonl", cfg) == []
+
+
+def test_synthesis_stops_at_its_deadline(tmp_path: Path) -> None:
+    """`--synth-seconds`: a passed deadline draws nothing; one that passes mid-way keeps the
+    prompts written before it (the clock moves a second at each reading, one per draw)."""
+    target = tiny_target(0, vocab=V, layers=2)
+    tok = WordTokenizer()
+    cfg = SynthConfig(prompts=6, max_tokens=64, batch=8, min_words=2)
+    path = tmp_path / "synth.jsonl"
+    passed = Deadline(at=0.0, clock=lambda: 1.0)
+    assert synthesize_prompts(target, tok, path, cfg, deadline=passed) == []
+    assert read_synth_prompts(path) == []
+    ticks = iter(range(10**6))  # made at 0, due at 5: read before drawing (1), then per draw
+    draws: list[int] = []
+    got = synthesize_prompts(
+        target,
+        tok,
+        path,
+        cfg,
+        on_batch=lambda kept, _: draws.append(kept),
+        deadline=Deadline.after(5, lambda: float(next(ticks))),
+    )
+    assert len(draws) == 3 and sum(draws) == len(got) and read_synth_prompts(path) == got
+    whole = synthesize_prompts(target, tok, tmp_path / "whole.jsonl", cfg)
+    assert got == whole[: len(got)]  # the same draws, cut short
 
 
 def test_summary_prompts_pick_long_finished_answers() -> None:

@@ -95,6 +95,33 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "order, so they are a sample of the whole mix)",
     )
     g.add_argument(
+        "--regen-seconds",
+        type=float,
+        metavar="S",
+        help="stop answering after S seconds (the summaries and completions included); the "
+        "answers so far are kept and a later run resumes from them",
+    )
+    g.add_argument(
+        "--synth-seconds",
+        type=float,
+        metavar="S",
+        help="stop writing self-asked prompts after S seconds; those written are kept",
+    )
+    g.add_argument(
+        "--answer-rows",
+        type=_positive,
+        default=64,
+        metavar="N",
+        help="rows decoded at once while writing prompts and answering (a GPU takes hundreds)",
+    )
+    g.add_argument(
+        "--answer-tokens",
+        type=_positive,
+        default=24576,
+        metavar="N",
+        help="rows x (prompt + new tokens) at most in that batch: bounds its KV cache",
+    )
+    g.add_argument(
         "--target-dtype",
         default="auto",
         help="target dtype for answering, capture and evaluation; auto = as the commands run it",
@@ -137,6 +164,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="ce: soft cross-entropy against the target (EAGLE's); lk: LK's negative log "
         "acceptance, -log sum min(p, q) (train/ttt.py)",
     )
+    g.add_argument(
+        "--train-seconds",
+        type=float,
+        metavar="S",
+        help="stop training after S seconds (the schedule is not shortened); the head as it is "
+        "then is saved and evaluated",
+    )
     g.add_argument("--grad-clip", type=float, default=0.5)
     g.add_argument(
         "--train-dtype",
@@ -162,6 +196,13 @@ def _count(text: str) -> int:
     return n
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
@@ -177,6 +218,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             prompts=args.synth_prompts,
             seed=args.seed,
             starters=STARTER_MIXES[args.synth_steer] if args.synth_steer else (),
+            batch=args.answer_rows,
+            batch_tokens=args.answer_tokens,
+            max_seconds=args.synth_seconds,
         ),
         summaries=args.summaries,
         summary_min_tokens=args.summary_min_tokens,
@@ -187,6 +231,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.regen_temperature,
             max_samples=args.regen_max_samples,
+            max_seconds=args.regen_seconds,
+            batch_tokens=args.answer_tokens,
+            max_batch=args.answer_rows,
             seed=args.seed,
         ),
         draft_vocab=args.draft_vocab,
@@ -213,6 +260,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             grad_clip=args.grad_clip,
             dtype=args.train_dtype,
             seed=args.seed,
+            max_seconds=args.train_seconds,
         ),
     )
     run(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -10,7 +10,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """When a stage stops starting work (`--synth-seconds`, `--regen-seconds`): what it made by
+    then is kept, the rows still running are dropped. `at` is a `clock()` reading; None: never."""
+
+    at: float | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    @classmethod
+    def after(cls, seconds: float | None, clock: Callable[[], float] = time.monotonic) -> Deadline:
+        return cls(None if seconds is None else clock() + seconds, clock)
+
+    def passed(self) -> bool:
+        return self.at is not None and self.clock() >= self.at
+
+
+NEVER = Deadline()
 
 
 class Meter:

@@ -42,7 +42,7 @@ from eaglespec.train.features import (
     load_shard,
     shard_paths,
 )
-from eaglespec.train.meter import Meter
+from eaglespec.train.meter import Deadline, Meter
 from eaglespec.train.regen import RegenConfig, Sample, read_samples, regenerate
 from eaglespec.train.synth import (
     SynthConfig,
@@ -129,6 +129,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
                 work / "synth_prompts.jsonl",
                 cfg.synth,
                 on_batch=meter.add,
+                deadline=Deadline.after(cfg.synth.max_seconds),
             )
             rates["synth"] = meter.result()
             report["synth_prompts"] = len(synth)
@@ -138,6 +139,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         meter = Meter("regen", "turns", log)
         # greedy answers bring their features with them (recorder.py): no prefill over them later
         sink = FeatureSink(work / "features", capture) if cfg.regen.temperature == 0 else None
+        deadline = Deadline.after(cfg.regen.max_seconds)  # both rounds of answering below
         summary = regenerate(
             target.model,
             target.tokenizer,
@@ -146,6 +148,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
             cfg.regen,
             on_batch=meter.add,
             features=sink,
+            deadline=deadline,
         )
         extra, completions = [], []
         if cfg.summaries or cfg.completions:
@@ -173,6 +176,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
                 uncapped,
                 on_batch=meter.add,
                 features=sink,
+                deadline=deadline,
             )
             summary = replace(
                 summary,
@@ -248,6 +252,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         checkpoint=work / "checkpoint.pt",
         on_step=_step_logger(log, curve, meter, cfg.train.ttt_steps),
         on_epoch=_epoch_eval(log, heldout_curve, head, held_f, vocab, target_rows, cfg),
+        deadline=Deadline.after(cfg.train.max_seconds),
     )
     times["train"] = time.perf_counter() - t
     rates["train"] = {**meter.result(), "tokens_are": "positions x unrolled steps"}

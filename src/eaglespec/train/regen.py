@@ -30,6 +30,7 @@ from eaglespec.train.answering import Job, answer_all
 from eaglespec.train.batching import length_batches
 from eaglespec.train.data import Conversation, Sample
 from eaglespec.train.features import FeatureSink
+from eaglespec.train.meter import NEVER, Deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ class RegenConfig:
     batch_tokens: int = 24576  # prompt + new tokens per batch (bounds the KV cache and padding)
     max_batch: int = 64
     max_samples: int | None = None  # stop once the file holds this many responses
+    max_seconds: float | None = None  # stop answering after this long (pipeline.py's Deadline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +91,13 @@ def regenerate(
     *,
     on_batch: Callable[[int, int], None] | None = None,  # (turns, new tokens) per answer
     features: FeatureSink | None = None,
+    deadline: Deadline = NEVER,
 ) -> RegenSummary:
     """Answer every user turn of `convs`, appending to `out_path`; turns already there are kept.
     With `features` (greedy answering only), each answer's states are kept as it was answered and
-    written as feature shards (features.py), so the feature stage finds them there."""
+    written as feature shards (features.py), so the feature stage finds them there. Answering
+    stops at the first answer that finishes after `deadline`; the rows still running then are
+    dropped."""
     if features is not None and cfg.temperature > 0:
         raise ValueError("features are taken while answering only greedily (temperature 0)")
     drop_partial_tail(out_path)  # a killed run's last, half-written line
@@ -105,6 +110,11 @@ def regenerate(
     params = SamplingParams(
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed
     )
+
+    def enough() -> bool:
+        full = cfg.max_samples is not None and len(done) >= cfg.max_samples
+        return full or deadline.passed()
+
     with out_path.open("a") as f:
         for t in range(max_turns):
             todo: list[tuple[str, list[int]]] = []
@@ -119,7 +129,7 @@ def regenerate(
                     skipped += 1
                     continue
                 todo.append((key, ids))
-            if cfg.max_samples is not None and len(done) >= cfg.max_samples:
+            if enough():
                 break
             jobs = [Job(key, ids, params) for batch in _batches(todo, cfg) for key, ids in batch]
             answers = answer_all(
@@ -142,7 +152,7 @@ def regenerate(
                 new += 1
                 if on_batch is not None:
                     on_batch(1, len(resp))
-                if cfg.max_samples is not None and len(done) >= cfg.max_samples:
+                if enough():
                     answers.close()  # stops decoding the rows still running
                     break
     if features is not None:

@@ -37,6 +37,7 @@ from eaglespec.model.llama import Transformer
 from eaglespec.tokenizer import Tokenizer
 from eaglespec.train.answering import Job, answer_all
 from eaglespec.train.data import Conversation
+from eaglespec.train.meter import NEVER, Deadline
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 
 _SENTINEL = "\x00eaglespec-user-turn\x00"
@@ -134,7 +135,9 @@ class SynthConfig:
     max_tokens: int = 128  # a longer one is cut and dropped (a starter may give more)
     temperature: float = 1.0
     top_p: float = 0.99
-    batch: int = 64
+    batch: int = 64  # rows decoded at once
+    batch_tokens: int = 24576  # rows x their positions at most (answering.answer_all's budget)
+    max_seconds: float | None = None  # stop writing after this long (pipeline.py's Deadline)
     min_words: int = 4
     seed: int = 0
     starters: tuple[Starter, ...] = ()  # begin each user turn with one (by seed); () = none
@@ -165,12 +168,14 @@ def synthesize_prompts(
     cfg: SynthConfig,
     *,
     on_batch: Callable[[int, int], None] | None = None,  # (prompts kept, tokens) per draw
+    deadline: Deadline = NEVER,
 ) -> list[Conversation]:
     """Sample self-asked prompts until `path` holds `cfg.prompts` of them; returns them all.
     Kept: ended by the model itself (end of turn), at least `min_words` words, not a duplicate.
     Gives up after drawing 4x `cfg.prompts` samples this call (a model that rarely ends a user
-    turn by itself), returning what it has. Draws are decoded `cfg.batch` at a time in one
-    continuously refilled batch (answering.py) and kept in the order they finish."""
+    turn by itself), returning what it has, and stops at the first draw that finishes after
+    `deadline`. Draws are decoded `cfg.batch` at a time in one continuously refilled batch
+    (answering.py) and kept in the order they finish."""
     if not tokenizer.chat_template:
         raise InvalidRequestError(
             f"--synth-prompts: {tokenizer.name} has no chat template to write user turns in "
@@ -181,7 +186,7 @@ def synthesize_prompts(
     seen = {c.turns[0] for c in have}
     prefix = user_turn_prefix(tokenizer)
     seed = cfg.seed * 1_000_000 + max((int(c.source.split(":")[1]) for c in have), default=-1) + 1
-    draws = 4 * max(cfg.prompts - len(have), 0)
+    draws = 0 if deadline.passed() else 4 * max(cfg.prompts - len(have), 0)
     starts = {s: starter_for(s, cfg.starters) for s in range(seed, seed + draws)}
     jobs = []
     for s, start in starts.items():
@@ -192,9 +197,9 @@ def synthesize_prompts(
         )
         jobs.append(Job(f"synth:{s}", ids, params))
     with path.open("a") as f:
-        answers = answer_all(model, tokenizer, jobs, max_rows=cfg.batch)
+        answers = answer_all(model, tokenizer, jobs, max_rows=cfg.batch, budget=cfg.batch_tokens)
         for a in answers:
-            if len(have) >= cfg.prompts:
+            if len(have) >= cfg.prompts or deadline.passed():
                 answers.close()
                 break
             o, draw = a.output, a.job.params.seed

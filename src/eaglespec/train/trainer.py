@@ -28,6 +28,7 @@ from torch import nn
 from eaglespec.draft.eagle3 import Eagle3Head
 from eaglespec.train.batching import length_batches
 from eaglespec.train.features import FeatureShard
+from eaglespec.train.meter import NEVER, Deadline
 from eaglespec.train.ttt import LOSSES, TTTBatch, ttt_forward
 from eaglespec.train.vocab import DraftVocab
 
@@ -53,6 +54,7 @@ class TrainConfig:
     )
     seed: int = 0
     checkpoint_every: int = 200  # steps; an epoch end always checkpoints
+    max_seconds: float | None = None  # stop training after this long (pipeline.py's Deadline)
 
     def autocast(self, device: torch.device) -> torch.autocast:
         """The head's forward under `dtype` (no autocast for float32); train and evaluate alike."""
@@ -162,9 +164,12 @@ def train(
     checkpoint: Path | None = None,
     on_step: Callable[[StepStats], None] | None = None,
     on_epoch: Callable[[int], None] | None = None,  # after each epoch's last step
+    deadline: Deadline = NEVER,
 ) -> list[StepStats]:
     """Train `head` in place (its trainable parameters); resumes from `checkpoint` when it exists
-    and writes it every `checkpoint_every` steps and at each epoch end."""
+    and writes it every `checkpoint_every` steps and at each epoch end. Once `deadline` has
+    passed (on any rank) no step starts: the head is left as it is, its epoch evaluated and
+    checkpointed, and the steps taken returned."""
     rank, size = world()
     device = head.device
     module: nn.Module = TTTModule(head, cfg.ttt_steps, cfg.loss)
@@ -186,6 +191,13 @@ def train(
     history: list[StepStats] = []
     module.train()
     while step < total:
+        if _passed(deadline, device, size):
+            if step % len(batches):  # a part epoch: evaluated and kept as a whole one is
+                if on_epoch is not None:
+                    on_epoch(step // len(batches))
+                if checkpoint is not None and rank == 0:
+                    save_checkpoint(checkpoint, head, opt, step, cfg)
+            break
         epoch, index = divmod(step, len(batches))
         order = list(range(len(batches)))
         random.Random(cfg.seed * 1000 + epoch).shuffle(order)
@@ -235,6 +247,17 @@ def train(
         ):
             save_checkpoint(checkpoint, head, opt, step, cfg)
     return history
+
+
+def _passed(deadline: Deadline, device: torch.device, size: int) -> bool:
+    """Whether training stops now, the same answer on every rank (a rank stopping alone would
+    leave the others waiting in a collective)."""
+    if deadline.at is None:
+        return False
+    stop = torch.tensor([float(deadline.passed())], device=device)
+    if size > 1:
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    return bool(stop.item())  # sync: one scalar a step, only with a deadline
 
 
 def save_checkpoint(
