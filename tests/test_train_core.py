@@ -30,7 +30,13 @@ from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs
 from eaglespec.train.batching import length_batches
-from eaglespec.train.data import Conversation, read_all, read_conversations, with_variants
+from eaglespec.train.data import (
+    Conversation,
+    read_all,
+    read_conversations,
+    read_each,
+    with_variants,
+)
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
 from eaglespec.train.meter import Deadline
 from eaglespec.train.pipeline import build_head
@@ -170,6 +176,17 @@ def test_read_all_without_prompts_raises(tmp_path: Path) -> None:
         read_all([empty, gpt_only])
     ok = _jsonl(tmp_path / "q.jsonl", [{"question": "a"}])
     assert _turns(read_all([empty, ok, gpt_only])) == [("a",)]
+
+
+def test_read_each_skips_then_limits_per_file(tmp_path: Path) -> None:
+    """`--skip-per-file S --limit-per-file N`: conversations S to S + N of each file."""
+    a = _jsonl(tmp_path / "a.jsonl", [{"question": f"a{i}"} for i in range(5)])
+    b = _jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}"} for i in range(2)])
+    assert _turns(read_each([a, b], 1, 2)) == [("a1",), ("a2",), ("b1",)]
+    assert _turns(read_each([a, b], 3)) == [("a3",), ("a4",)]
+    assert read_each([a, b]) == read_all([a, b])
+    with pytest.raises(InvalidRequestError, match="after skipping 5"):
+        read_each([a, b], 5, 10)
 
 
 def test_variants_are_seeded_and_sized() -> None:

@@ -40,6 +40,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     p.add_argument("--limit-per-file", type=int, help="first N conversations of each file")
     p.add_argument(
+        "--skip-per-file",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="skip the first N conversations of each file (a later stage takes other questions)",
+    )
+    p.add_argument(
         "--synth-prompts",
         type=_count,
         default=0,
@@ -214,6 +221,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         out=args.out,
         variants=_variants(args.variants),
         limit_per_file=args.limit_per_file,
+        skip_per_file=args.skip_per_file,
         synth=SynthConfig(
             prompts=args.synth_prompts,
             seed=args.seed,

@@ -76,6 +76,22 @@ def read_all(paths: Sequence[str | Path]) -> list[Conversation]:
     return out
 
 
+def read_each(
+    paths: Sequence[str | Path], skip: int = 0, limit: int | None = None
+) -> list[Conversation]:
+    """Conversations `skip` to `skip + limit` of each file (all after `skip` without a limit):
+    a later training stage takes questions an earlier one did not (`--skip-per-file`)."""
+    out: list[Conversation] = []
+    for p in paths:
+        convs = read_conversations(p)
+        out.extend(convs[skip : None if limit is None else skip + limit])
+    if not out:
+        raise InvalidRequestError(
+            f"no prompts in {', '.join(map(str, paths))} after skipping {skip} of each file"
+        )
+    return out
+
+
 def with_variants(
     convs: Sequence[Conversation], variants: dict[str, float], seed: int = 0
 ) -> list[Conversation]:

@@ -34,7 +34,7 @@ from eaglespec.model.loader import LoadedModel, load_model, parse_dtype
 from eaglespec.model.quant import dense_rows
 from eaglespec.registry import resolve_model
 from eaglespec.requests import collect_outputs
-from eaglespec.train.data import read_all, with_variants
+from eaglespec.train.data import read_each, with_variants
 from eaglespec.train.features import (
     FeatureShard,
     FeatureSink,
@@ -63,7 +63,8 @@ class PipelineConfig:
     data: tuple[str, ...]  # prompt files (see data.py for the formats)
     out: Path
     variants: tuple[tuple[str, float], ...] = ()  # (name, share) prompt recasts, data.VARIANTS
-    limit_per_file: int | None = None  # first N conversations of each file
+    limit_per_file: int | None = None  # first N conversations of each file (after the skipped)
+    skip_per_file: int = 0  # conversations skipped at the start of each file
     synth: SynthConfig = field(default_factory=SynthConfig)  # self-asked prompts (synth.py)
     regen: RegenConfig = field(default_factory=RegenConfig)
     summaries: int = 0  # "Summarize: <answer>" prompts over the target's own long answers
@@ -119,7 +120,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
 
     t = time.perf_counter()
     if rank == 0:
-        convs = read_all(cfg.data) if cfg.limit_per_file is None else _limited(cfg)
+        convs = read_each(cfg.data, cfg.skip_per_file, cfg.limit_per_file)
         convs = with_variants(convs, dict(cfg.variants))
         if cfg.synth.prompts:
             meter = Meter("synth", "prompts", log, total=cfg.synth.prompts)
@@ -466,13 +467,6 @@ def _epoch_eval(
             log(f"epoch {epoch} held-out: acc {m['acc'][:4]} proxy {m['accept_proxy']:.2f}")
 
     return on_epoch
-
-
-def _limited(cfg: PipelineConfig) -> list[Any]:
-    out = []
-    for path in cfg.data:
-        out.extend(read_all([path])[: cfg.limit_per_file])
-    return out
 
 
 def _init_distributed(device: str) -> None:
