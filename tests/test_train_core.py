@@ -38,8 +38,8 @@ from eaglespec.train.data import (
     with_variants,
 )
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
-from eaglespec.train.meter import Deadline
-from eaglespec.train.pipeline import build_head
+from eaglespec.train.meter import NEVER, Deadline
+from eaglespec.train.pipeline import build_head, regen_deadlines
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 from eaglespec.train.trainer import TrainConfig, train
 from eaglespec.train.ttt import TTTBatch, TTTOutput, _ttt_mask, position_loss, ttt_forward
@@ -572,6 +572,16 @@ def test_training_stops_at_its_deadline_and_keeps_the_part_epoch(tmp_path: Path)
     assert torch.load(ckpt, weights_only=False)["step"] == 2
     rest = train(head, feats, vocab, rows, cfg, checkpoint=ckpt)
     assert [h.step for h in rest] == list(range(3, 2 * per_epoch + 1))
+
+
+def test_regen_budget_leaves_the_summaries_their_share() -> None:
+    """`--regen-seconds 100` with 300 prompt turns planned and 100 summaries and completions:
+    the prompts' round is due at 75 s, the second round at 100 s; no budget, no deadline."""
+    clock = lambda: 10.0  # noqa: E731
+    prompts, extra = regen_deadlines(100.0, 300, 100, clock)
+    assert (prompts.at, extra.at) == (85.0, 110.0)
+    assert regen_deadlines(100.0, 300, 0, clock)[0].at == 110.0
+    assert regen_deadlines(None, 300, 100) == (NEVER, NEVER)
 
 
 def test_truncated_json_array_is_an_error(tmp_path: Path) -> None:

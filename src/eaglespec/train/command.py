@@ -105,7 +105,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--regen-seconds",
         type=float,
         metavar="S",
-        help="stop answering after S seconds (the summaries and completions included); the "
+        help="stop answering after S seconds; the prompts' answers may take the share of S that "
+        "their turns are of all turns planned, the summaries and completions the rest; the "
         "answers so far are kept and a later run resumes from them",
     )
     g.add_argument(

@@ -42,8 +42,8 @@ from eaglespec.train.features import (
     load_shard,
     shard_paths,
 )
-from eaglespec.train.meter import Deadline, Meter
-from eaglespec.train.regen import RegenConfig, Sample, read_samples, regenerate
+from eaglespec.train.meter import NEVER, Deadline, Meter
+from eaglespec.train.regen import RegenConfig, Sample, count_turns, read_samples, regenerate
 from eaglespec.train.synth import (
     SynthConfig,
     completion_prompts,
@@ -140,7 +140,12 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         meter = Meter("regen", "turns", log)
         # greedy answers bring their features with them (recorder.py): no prefill over them later
         sink = FeatureSink(work / "features", capture) if cfg.regen.temperature == 0 else None
-        deadline = Deadline.after(cfg.regen.max_seconds)  # both rounds of answering below
+        planned = count_turns(convs)
+        if cfg.regen.max_samples is not None:
+            planned = min(planned, cfg.regen.max_samples)
+        prompts_due, extra_due = regen_deadlines(
+            cfg.regen.max_seconds, planned, cfg.summaries + cfg.completions
+        )
         summary = regenerate(
             target.model,
             target.tokenizer,
@@ -149,7 +154,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
             cfg.regen,
             on_batch=meter.add,
             features=sink,
-            deadline=deadline,
+            deadline=prompts_due,
         )
         extra, completions = [], []
         if cfg.summaries or cfg.completions:
@@ -177,7 +182,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
                 uncapped,
                 on_batch=meter.add,
                 features=sink,
-                deadline=deadline,
+                deadline=extra_due,
             )
             summary = replace(
                 summary,
@@ -274,6 +279,19 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     report["heldout_acceptance"] = heldout_acceptance(cfg, target, held_s, log)
     times["eval"] = time.perf_counter() - t
     return _finish(cfg, report, times, rates)
+
+
+def regen_deadlines(
+    seconds: float | None, planned: int, extra: int, clock: Callable[[], float] = time.monotonic
+) -> tuple[Deadline, Deadline]:
+    """`--regen-seconds` split between the two rounds of answering: the first (the prompts) may
+    use the share of `seconds` that its `planned` turns are of all turns planned, the summaries
+    and completions (`extra`, written over the first round's answers) the rest. A first round
+    allowed the whole budget left none for them (stage 13 answered no summary)."""
+    if seconds is None:
+        return NEVER, NEVER
+    share = planned / max(1, planned + extra)
+    return Deadline.after(seconds * share, clock), Deadline.after(seconds, clock)
 
 
 def split_heldout(samples: Sequence[Sample], share: float) -> tuple[list[Sample], list[Sample]]:
