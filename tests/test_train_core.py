@@ -34,7 +34,6 @@ from eaglespec.train.data import (
     Conversation,
     read_all,
     read_conversations,
-    read_each,
     with_variants,
 )
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
@@ -178,15 +177,15 @@ def test_read_all_without_prompts_raises(tmp_path: Path) -> None:
     assert _turns(read_all([empty, ok, gpt_only])) == [("a",)]
 
 
-def test_read_each_skips_then_limits_per_file(tmp_path: Path) -> None:
+def test_read_all_skips_then_limits_per_file(tmp_path: Path) -> None:
     """`--skip-per-file S --limit-per-file N`: conversations S to S + N of each file."""
     a = _jsonl(tmp_path / "a.jsonl", [{"question": f"a{i}"} for i in range(5)])
     b = _jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}"} for i in range(2)])
-    assert _turns(read_each([a, b], 1, 2)) == [("a1",), ("a2",), ("b1",)]
-    assert _turns(read_each([a, b], 3)) == [("a3",), ("a4",)]
-    assert read_each([a, b]) == read_all([a, b])
+    assert _turns(read_all([a, b], 1, 2)) == [("a1",), ("a2",), ("b1",)]
+    assert _turns(read_all([a, b], 3)) == [("a3",), ("a4",)]
+    assert _turns(read_all([a, b])) == [(f"a{i}",) for i in range(5)] + [("b0",), ("b1",)]
     with pytest.raises(InvalidRequestError, match="after skipping 5"):
-        read_each([a, b], 5, 10)
+        read_all([a, b], 5, 10)
 
 
 def test_variants_are_seeded_and_sized() -> None:

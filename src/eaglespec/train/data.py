@@ -67,28 +67,18 @@ def read_conversations(path: str | Path) -> list[Conversation]:
     return out
 
 
-def read_all(paths: Sequence[str | Path]) -> list[Conversation]:
-    out: list[Conversation] = []
-    for p in paths:
-        out.extend(read_conversations(p))
-    if not out:
-        raise InvalidRequestError(f"no prompts found in {', '.join(map(str, paths))}")
-    return out
-
-
-def read_each(
+def read_all(
     paths: Sequence[str | Path], skip: int = 0, limit: int | None = None
 ) -> list[Conversation]:
-    """Conversations `skip` to `skip + limit` of each file (all after `skip` without a limit):
-    a later training stage takes questions an earlier one did not (`--skip-per-file`)."""
+    """The conversations of every file: of each, those from `skip` on, at most `limit`
+    (`--skip-per-file`, `--limit-per-file`: a later training stage takes questions an earlier
+    one did not)."""
     out: list[Conversation] = []
     for p in paths:
-        convs = read_conversations(p)
-        out.extend(convs[skip : None if limit is None else skip + limit])
+        out.extend(read_conversations(p)[skip : None if limit is None else skip + limit])
     if not out:
-        raise InvalidRequestError(
-            f"no prompts in {', '.join(map(str, paths))} after skipping {skip} of each file"
-        )
+        after = f" after skipping {skip} of each file" if skip else ""
+        raise InvalidRequestError(f"no prompts found in {', '.join(map(str, paths))}{after}")
     return out
 
 

@@ -34,7 +34,7 @@ from eaglespec.model.loader import LoadedModel, load_model, parse_dtype
 from eaglespec.model.quant import dense_rows
 from eaglespec.registry import resolve_model
 from eaglespec.requests import collect_outputs
-from eaglespec.train.data import read_each, with_variants
+from eaglespec.train.data import read_all, with_variants
 from eaglespec.train.features import (
     FeatureShard,
     FeatureSink,
@@ -120,7 +120,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
 
     t = time.perf_counter()
     if rank == 0:
-        convs = read_each(cfg.data, cfg.skip_per_file, cfg.limit_per_file)
+        convs = read_all(cfg.data, cfg.skip_per_file, cfg.limit_per_file)
         convs = with_variants(convs, dict(cfg.variants))
         if cfg.synth.prompts:
             meter = Meter("synth", "prompts", log, total=cfg.synth.prompts)
