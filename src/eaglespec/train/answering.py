@@ -34,6 +34,10 @@ from eaglespec.requests import RequestOutput, StreamEvent
 from eaglespec.tokenizer import Tokenizer
 from eaglespec.train.recorder import FeatureRecorder, RowFeatures
 
+# The batch's room by default, sized for 2 CPU cores (a GPU takes hundreds of rows):
+MAX_ROWS = 64  # rows decoded at once
+BUDGET = 24576  # rows x the cache's capacity (prompt + new tokens), at most
+
 
 @dataclass(frozen=True, slots=True)
 class Job:
@@ -55,8 +59,8 @@ def answer_all(
     tokenizer: Tokenizer,
     jobs: Iterable[Job],
     *,
-    max_rows: int = 64,
-    budget: int = 24576,
+    max_rows: int = MAX_ROWS,
+    budget: int = BUDGET,
     capture: Sequence[int] | None = None,  # boundaries whose states each answer brings
 ) -> Iterator[Answer]:
     """Every job's answer, in the order they finish. Closing the iterator stops decoding."""

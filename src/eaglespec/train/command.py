@@ -9,6 +9,7 @@ from pathlib import Path
 from eaglespec.cliargs import int_list
 from eaglespec.errors import InvalidRequestError
 from eaglespec.registry import DEFAULT_MODEL
+from eaglespec.train.answering import BUDGET, MAX_ROWS
 from eaglespec.train.pipeline import LM_HEADS, STAGES, PipelineConfig, run
 from eaglespec.train.regen import RegenConfig
 from eaglespec.train.synth import STARTER_MIXES, SynthConfig
@@ -118,14 +119,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument(
         "--answer-rows",
         type=_positive,
-        default=64,
+        default=MAX_ROWS,
         metavar="N",
         help="rows decoded at once while writing prompts and answering (a GPU takes hundreds)",
     )
     g.add_argument(
         "--answer-tokens",
         type=_positive,
-        default=24576,
+        default=BUDGET,
         metavar="N",
         help="rows x (prompt + new tokens) at most in that batch: bounds its KV cache",
     )

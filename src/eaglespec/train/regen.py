@@ -26,7 +26,7 @@ from typing import Any
 from eaglespec.config import SamplingParams
 from eaglespec.model.llama import Transformer
 from eaglespec.tokenizer import Tokenizer
-from eaglespec.train.answering import Job, answer_all
+from eaglespec.train.answering import BUDGET, MAX_ROWS, Job, answer_all
 from eaglespec.train.batching import length_batches
 from eaglespec.train.data import Conversation, Sample
 from eaglespec.train.features import FeatureSink
@@ -39,8 +39,8 @@ class RegenConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy, the target's own most likely answers
     seed: int = 0
-    batch_tokens: int = 24576  # prompt + new tokens per batch (bounds the KV cache and padding)
-    max_batch: int = 64
+    batch_tokens: int = BUDGET  # prompt + new tokens per batch (bounds the KV cache and padding)
+    max_batch: int = MAX_ROWS
     max_samples: int | None = None  # stop once the file holds this many responses
     max_seconds: float | None = None  # stop answering after this long (pipeline.py's Deadline)
 

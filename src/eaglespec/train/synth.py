@@ -35,7 +35,7 @@ from eaglespec.config import SamplingParams
 from eaglespec.errors import InvalidRequestError
 from eaglespec.model.llama import Transformer
 from eaglespec.tokenizer import Tokenizer
-from eaglespec.train.answering import Job, answer_all
+from eaglespec.train.answering import BUDGET, MAX_ROWS, Job, answer_all
 from eaglespec.train.data import Conversation
 from eaglespec.train.meter import NEVER, Deadline
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
@@ -135,8 +135,8 @@ class SynthConfig:
     max_tokens: int = 128  # a longer one is cut and dropped (a starter may give more)
     temperature: float = 1.0
     top_p: float = 0.99
-    batch: int = 64  # rows decoded at once
-    batch_tokens: int = 24576  # rows x their positions at most (answering.answer_all's budget)
+    batch: int = MAX_ROWS  # rows decoded at once
+    batch_tokens: int = BUDGET  # rows x their positions at most (answering.answer_all's budget)
     max_seconds: float | None = None  # stop writing after this long (pipeline.py's Deadline)
     min_words: int = 4
     seed: int = 0
