@@ -42,7 +42,7 @@ from eaglespec.train.pipeline import build_head, regen_deadlines
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
 from eaglespec.train.trainer import TrainConfig, train
 from eaglespec.train.ttt import TTTBatch, TTTOutput, _ttt_mask, position_loss, ttt_forward
-from eaglespec.train.vocab import build_draft_vocab
+from eaglespec.train.vocab import build_draft_vocab, target_ids
 from helpers import NullTokenizer, tiny_target
 
 V, VD, T, STEPS = 128, 64, 12, 3
@@ -235,6 +235,18 @@ def test_vocab_pads_with_smallest_unused_ids() -> None:
     vocab = build_draft_vocab([[7, 3, 3], [7]], 4, 10)  # two distinct tokens for four slots
     assert vocab.ids.tolist() == [0, 1, 3, 7]
     assert (vocab.ids == torch.arange(4) + vocab.d2t).all()
+
+
+def test_vocab_keeps_a_continued_heads_tokens_then_adds_the_most_frequent() -> None:
+    responses = [[5] * 5 + [1, 6] * 4 + [2], [5] * 4]  # counts {5: 9, 1: 4, 6: 4, 2: 1}
+    assert build_draft_vocab(responses, 3, 8, keep=[7, 2]).ids.tolist() == [2, 5, 7]
+    # kept ids the data also ranks high take no second slot; duplicates count once
+    assert build_draft_vocab(responses, 4, 8, keep=[5, 7, 5]).ids.tolist() == [1, 5, 6, 7]
+    assert build_draft_vocab(responses, 2, 8, keep=[0, 3]).ids.tolist() == [0, 3]
+    with pytest.raises(ValueError, match="cannot keep 3 tokens in a draft vocabulary of 2"):
+        build_draft_vocab(responses, 2, 8, keep=[0, 3, 4])
+    vocab = build_draft_vocab(responses, 3, 8, keep=[7])
+    assert target_ids(vocab.d2t) == vocab.ids.tolist() == [1, 5, 7]
 
 
 def test_vocab_coverage() -> None:

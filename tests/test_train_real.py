@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from commands import eaglespec, user_home
 from eaglespec.draft.loader import load_eagle3
@@ -73,5 +74,8 @@ def test_train_end_to_end_resumes_and_reports_throughput(tmp_path: Path) -> None
     assert report["heldout_acceptance"]["mean_accept_length"] > 1.0  # the head drafts something
     target = load_model(pull("smollm2-135m", progress=False), dtype="auto", quant="auto")
     loaded = load_eagle3(out, target.model)  # the written head loads against its target
-    assert loaded.capture == load_eagle3(head, target.model).capture
+    shipped = load_eagle3(head, target.model)
+    assert loaded.capture == shipped.capture
+    # continued at the same size, it keeps the shipped head's tokens and so all its trained rows
+    assert torch.equal(loaded.head.d2t.cpu(), shipped.head.d2t.cpu())
     assert "tokens/s" in whole.stderr + whole.stdout  # each stage's rate as it runs

@@ -142,7 +142,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "(a 4-bit GGUF as w4a8)",
     )
     g = p.add_argument_group("head")
-    g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size; 0 = full")
+    g.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="draft vocabulary size; 0 = full. A continued head (--init-from) keeps its own "
+        "tokens and adds this run's most frequent others up to the size",
+    )
     g.add_argument("--capture", metavar="B1,B2,B3", help="boundary ids; default 2,N//2,N-3")
     g.add_argument(
         "--head-intermediate",

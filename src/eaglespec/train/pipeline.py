@@ -51,7 +51,7 @@ from eaglespec.train.synth import (
     synthesize_prompts,
 )
 from eaglespec.train.trainer import StepStats, TrainConfig, evaluate, train, world
-from eaglespec.train.vocab import DraftVocab, build_draft_vocab
+from eaglespec.train.vocab import DraftVocab, build_draft_vocab, target_ids
 
 STAGES = ("regen", "features", "train", "eval")
 Log = Callable[[str], None]
@@ -203,7 +203,9 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     samples = read_samples(work / "responses.jsonl")
     train_s, held_s = split_heldout(samples, cfg.heldout)
     size_v = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
-    vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size)
+    # a continued head keeps its tokens (and so its trained lm_head rows); the rest by frequency
+    kept = [] if init is None else target_ids(init.head.d2t)
+    vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size, kept)
     report["data"] = {
         "samples": len(samples),
         "train_samples": len(train_s),
@@ -354,8 +356,9 @@ LM_HEADS = ("trained", "target")
 
 def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> int:
     """Continue a saved head: its weights become `head`'s fp32 master weights (the embedding
-    stays the target's). `head` keeps its own draft vocabulary (built from this run's data): the
-    lm_head rows of tokens in both vocabularies continue from the saved head.
+    stays the target's). `head` has its own draft vocabulary (the saved head's tokens, then this
+    run's most frequent others): the lm_head rows of tokens in both continue from the saved
+    head.
 
     The other rows cannot simply keep build_head's start (the target's rows): the saved head's
     norm and layer were trained against its own rows, and the target's rows then win almost
@@ -372,10 +375,8 @@ def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> in
     head.load_state_dict(own, strict=False)
     if head.lm_head_is_target_rows:  # the target's rows, whatever the saved head held
         return 0
-    old_ids = (
-        torch.arange(len(init.head.d2t)) + init.head.d2t.cpu()
-    ).tolist()  # old row -> target id
-    new_ids = (torch.arange(len(head.d2t)) + head.d2t.cpu()).tolist()
+    old_ids = target_ids(init.head.d2t)  # old row -> target id
+    new_ids = target_ids(head.d2t)
     new_row = {t: i for i, t in enumerate(new_ids)}
     pairs = [(new_row[t], i) for i, t in enumerate(old_ids) if t in new_row]
     assert isinstance(head.lm_head, nn.Linear)

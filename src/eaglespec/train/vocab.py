@@ -7,6 +7,11 @@ head is trained on, sorted by target id, as EAGLE and SpecForge build it.
 Worked example: V = 8, Vd = 3, responses count {5: 9, 1: 4, 6: 4, 2: 1} -> most common 5, 1, 6
 (ties by first seen) -> sorted ids [1, 5, 6] -> d2t [1, 4, 4], t2d [0 1 0 0 0 1 1 0].
 With fewer distinct tokens than Vd the smallest unused ids fill the rest (SpecForge does the same).
+
+A continued head keeps its own tokens (`keep`): a stage's 400K response tokens rank the rarer
+ones differently from the last stage's, and rebuilding from them alone dropped 3,136 of the
+8,192 trained rows of stage 13's head (session 26), whose replacements start from the target's.
+With `keep` the vocabulary is the kept ids, then the most frequent others up to `size`.
 """
 
 from __future__ import annotations
@@ -39,15 +44,30 @@ class DraftVocab:
         return float(self.t2d[ids].float().mean()) if len(ids) else 0.0
 
 
-def build_draft_vocab(responses: Sequence[Sequence[int]], size: int, vocab_size: int) -> DraftVocab:
-    """The `size` most frequent ids over `responses` (the loss-masked tokens); `size` >=
-    `vocab_size` gives the whole target vocabulary."""
+def target_ids(d2t: torch.Tensor) -> list[int]:
+    """The target id of each draft row of a saved head's d2t offsets."""
+    return (torch.arange(len(d2t)) + d2t.cpu()).tolist()
+
+
+def build_draft_vocab(
+    responses: Sequence[Sequence[int]],
+    size: int,
+    vocab_size: int,
+    keep: Sequence[int] = (),
+) -> DraftVocab:
+    """The `size` most frequent ids over `responses` (the loss-masked tokens), after every id in
+    `keep` (a continued head's vocabulary; at most `size` of them); `size` >= `vocab_size`
+    gives the whole target vocabulary."""
     if size >= vocab_size:
         return DraftVocab(torch.arange(vocab_size), vocab_size)
+    if len(set(keep)) > size:
+        raise ValueError(f"cannot keep {len(set(keep))} tokens in a draft vocabulary of {size}")
     counts: Counter[int] = Counter()
     for r in responses:
         counts.update(r)
-    chosen = [t for t, _ in counts.most_common(size)]
+    chosen = list(dict.fromkeys(keep))
+    used = set(chosen)
+    chosen += [t for t, _ in counts.most_common(size) if t not in used][: size - len(chosen)]
     if len(chosen) < size:
         used = set(chosen)
         chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
