@@ -245,7 +245,7 @@ def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
     head built around the target's embedding with this run's vocabulary; lm_head rows of tokens
     in both vocabularies continue, the others start from the target's rows mapped onto the saved
     head's scale (the linear map fitted on the shared rows)."""
-    from eaglespec.train.pipeline import build_head, init_head
+    from eaglespec.train.pipeline import build_head, check_init_vocab, init_head
     from eaglespec.train.vocab import DraftVocab
 
     target = tiny_target(0, vocab=V, layers=4, hidden=16)
@@ -280,6 +280,11 @@ def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
             torch.testing.assert_close(head.lm_head.weight[row], want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="captures layers"):
         init_head(head, loaded, (0, 1, 2))
+    # it keeps its 32 tokens: a run's vocabulary of fewer is refused before any answering
+    for size in (32, 48, 0, V):
+        check_init_vocab(loaded, size, V)
+    with pytest.raises(ValueError, match="drafts 32 tokens, more than --draft-vocab 16"):
+        check_init_vocab(loaded, 16, V)
 
 
 def _fields(cfg: SynthConfig) -> dict[str, object]:

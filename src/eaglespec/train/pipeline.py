@@ -117,6 +117,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     init = load_eagle3(cfg.init_from, target.model) if cfg.init_from else None
     if init is not None:
         check_init_capture(init, capture)
+        check_init_vocab(init, cfg.draft_vocab, tcfg.vocab_size)
 
     t = time.perf_counter()
     if rank == 0:
@@ -348,6 +349,17 @@ def check_init_capture(init: LoadedDraft, capture: Sequence[int]) -> None:
         raise InvalidRequestError(
             f"--init-from: the head to continue captures layers {list(init.capture)}, this run "
             f"{list(capture)} (pass --capture to match)"
+        )
+
+
+def check_init_vocab(init: LoadedDraft, size: int, vocab_size: int) -> None:
+    """The continued head's tokens must fit the run's draft vocabulary (build_draft_vocab keeps
+    them all)."""
+    own = len(init.head.d2t)
+    if 0 < size < vocab_size and own > size:
+        raise InvalidRequestError(
+            f"--init-from: the head to continue drafts {own} tokens, more than --draft-vocab "
+            f"{size} (it keeps its tokens: pass --draft-vocab {own} or more)"
         )
 
 
