@@ -87,6 +87,18 @@ def test_train_refuses_a_negative_number_of_prompts(
     assert not out.exists()
 
 
+def test_train_keep_vocab_needs_a_head_to_continue(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    args = ["train", "--data", str(tmp_path / "d.jsonl"), "--out", str(out), "--keep-vocab"]
+    assert main(args) == 2
+    assert (
+        "--keep-vocab keeps a continued head's tokens: pass --init-from" in capsys.readouterr().err
+    )
+    assert not out.exists()
+
+
 def test_lookup_tokens_with_another_method_or_negative_is_an_error(
     tiny_hf_folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -43,7 +43,7 @@ def test_train_end_to_end_resumes_and_reports_throughput(tmp_path: Path) -> None
     head = packaged_head("smollm2-135m")
     assert head is not None
     args = ["train", "--target", "smollm2-135m", "--data", str(data), "--out", str(out)]
-    args += ["--init-from", str(head), "--max-new-tokens", "24", "--heldout", "0.3"]
+    args += ["--init-from", str(head), "--keep-vocab", "--max-new-tokens", "24", "--heldout", "0.3"]
     args += ["--eval-prompts", "2", "--eval-max-tokens", "16", "--epochs", "1", "--ttt-steps", "2"]
     args += ["--batch-tokens", "512", "--warmup-steps", "1"]
     first = eaglespec([*args, "--regen-max-samples", "2", "--stop-after", "regen"], home, 600)
@@ -76,6 +76,6 @@ def test_train_end_to_end_resumes_and_reports_throughput(tmp_path: Path) -> None
     loaded = load_eagle3(out, target.model)  # the written head loads against its target
     shipped = load_eagle3(head, target.model)
     assert loaded.capture == shipped.capture
-    # continued at the same size, it keeps the shipped head's tokens and so all its trained rows
+    # --keep-vocab at the same size: the shipped head's tokens, and so all its trained rows
     assert torch.equal(loaded.head.d2t.cpu(), shipped.head.d2t.cpu())
     assert "tokens/s" in whole.stderr + whole.stdout  # each stage's rate as it runs

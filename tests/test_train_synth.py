@@ -280,7 +280,7 @@ def test_init_from_continues_a_saved_head(tmp_path: Path) -> None:
             torch.testing.assert_close(head.lm_head.weight[row], want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="captures layers"):
         init_head(head, loaded, (0, 1, 2))
-    # it keeps its 32 tokens: a run's vocabulary of fewer is refused before any answering
+    # --keep-vocab keeps its 32 tokens: a run's vocabulary of fewer is refused before answering
     for size in (32, 48, 0, V):
         check_init_vocab(loaded, size, V)
     with pytest.raises(ValueError, match="drafts 32 tokens, more than --draft-vocab 16"):

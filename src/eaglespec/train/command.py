@@ -146,8 +146,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--draft-vocab",
         type=int,
         default=8192,
-        help="draft vocabulary size; 0 = full. A continued head (--init-from) keeps its own "
-        "tokens and adds this run's most frequent others up to the size",
+        help="draft vocabulary size; 0 = full",
+    )
+    g.add_argument(
+        "--keep-vocab",
+        action="store_true",
+        help="with --init-from: keep the continued head's tokens (and their trained lm_head "
+        "rows), then add this run's most frequent others up to --draft-vocab; by default the "
+        "vocabulary is rebuilt from this run's data",
     )
     g.add_argument("--capture", metavar="B1,B2,B3", help="boundary ids; default 2,N//2,N-3")
     g.add_argument(
@@ -223,6 +229,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.keep_vocab and not args.init_from:
+        raise InvalidRequestError("--keep-vocab keeps a continued head's tokens: pass --init-from")
     cfg = PipelineConfig(
         target=args.target,
         data=tuple(args.data),
@@ -253,6 +261,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             seed=args.seed,
         ),
         draft_vocab=args.draft_vocab,
+        keep_vocab=args.keep_vocab,
         head_intermediate=args.head_intermediate,
         lm_head=args.lm_head,
         capture=tuple(int_list(args.capture, "--capture")) if args.capture else None,

@@ -72,6 +72,7 @@ class PipelineConfig:
     completions: int = 0  # "Complete the code I provided." over the target's own functions
     init_from: Path | None = None  # a head to continue training (weights; vocabulary rebuilt)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
+    keep_vocab: bool = False  # continuing: the head's own tokens first, then the most frequent
     head_intermediate: int | None = None  # the head's MLP width; None: the target's
     lm_head: str = "trained"  # "target": the target's rows of the draft vocabulary, frozen
     capture: tuple[int, ...] | None = None  # boundary ids; default (2, N//2, N-3)
@@ -117,7 +118,8 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     init = load_eagle3(cfg.init_from, target.model) if cfg.init_from else None
     if init is not None:
         check_init_capture(init, capture)
-        check_init_vocab(init, cfg.draft_vocab, tcfg.vocab_size)
+        if cfg.keep_vocab:
+            check_init_vocab(init, cfg.draft_vocab, tcfg.vocab_size)
 
     t = time.perf_counter()
     if rank == 0:
@@ -204,8 +206,9 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     samples = read_samples(work / "responses.jsonl")
     train_s, held_s = split_heldout(samples, cfg.heldout)
     size_v = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
-    # a continued head keeps its tokens (and so its trained lm_head rows); the rest by frequency
-    kept = [] if init is None else target_ids(init.head.d2t)
+    # --keep-vocab: a continued head keeps its tokens (and their trained rows); the rest by
+    # frequency
+    kept = target_ids(init.head.d2t) if init is not None and cfg.keep_vocab else []
     vocab = build_draft_vocab([s.response for s in train_s], size_v, tcfg.vocab_size, kept)
     report["data"] = {
         "samples": len(samples),
@@ -368,9 +371,9 @@ LM_HEADS = ("trained", "target")
 
 def init_head(head: Eagle3Head, init: LoadedDraft, capture: Sequence[int]) -> int:
     """Continue a saved head: its weights become `head`'s fp32 master weights (the embedding
-    stays the target's). `head` has its own draft vocabulary (the saved head's tokens, then this
-    run's most frequent others): the lm_head rows of tokens in both continue from the saved
-    head.
+    stays the target's). `head` has its own draft vocabulary (this run's most frequent tokens,
+    after the saved head's own with --keep-vocab): the lm_head rows of tokens in both continue
+    from the saved head.
 
     The other rows cannot simply keep build_head's start (the target's rows): the saved head's
     norm and layer were trained against its own rows, and the target's rows then win almost
