@@ -142,12 +142,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "(a 4-bit GGUF as w4a8)",
     )
     g = p.add_argument_group("head")
-    g.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=8192,
-        help="draft vocabulary size; 0 = full",
-    )
+    g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size; 0 = full")
     g.add_argument(
         "--keep-vocab",
         action="store_true",

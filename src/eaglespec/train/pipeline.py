@@ -70,7 +70,7 @@ class PipelineConfig:
     summaries: int = 0  # "Summarize: <answer>" prompts over the target's own long answers
     summary_min_tokens: int = 150  # answers at least this long are summarized
     completions: int = 0  # "Complete the code I provided." over the target's own functions
-    init_from: Path | None = None  # a head to continue training (weights; vocabulary rebuilt)
+    init_from: Path | None = None  # a head to continue training (weights; see keep_vocab)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
     keep_vocab: bool = False  # continuing: the head's own tokens first, then the most frequent
     head_intermediate: int | None = None  # the head's MLP width; None: the target's
