@@ -17,7 +17,6 @@ warm-up round; prints ms per pass and B's time over A's.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import subprocess
 import tempfile
@@ -26,10 +25,9 @@ from pathlib import Path
 
 import torch
 from roofline import SHAPES, random_w4a8, random_w8a8
-from torch.utils import cpp_extension
 
 from eaglespec.model import w4a8
-from eaglespec.model.extension import CFLAGS, CSRC
+from eaglespec.model.extension import CSRC, compile_and_load
 
 SOURCE = CSRC / "w4a8.cpp"
 
@@ -50,14 +48,7 @@ def load(ref: str, label: str, folder: Path) -> object:
     text = source_text(ref).replace("eaglespec_w4a8", namespace)
     path = folder / f"{namespace}.cpp"
     path.write_text(text)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    cpp_extension.load(
-        name=f"{namespace}_{digest}",
-        sources=[str(path)],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
+    compile_and_load(path, namespace)
     return getattr(torch.ops, namespace)
 
 

@@ -18,24 +18,30 @@ CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
+def compile_and_load(source: Path, module: str) -> None:
+    """Compile a C++ source with CFLAGS and load it (its ops register themselves), cached under
+    `module` and the digest of the source and flags; raises if it does not build."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(source.read_bytes() + repr(CFLAGS).encode()).hexdigest()[:12]
+    cpp_extension.load(
+        name=f"{module}_{digest}",
+        sources=[str(source)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
 def build(name: str, needs: str) -> str | None:
     """Compile and load csrc/{name}.cpp, whose torch.library namespace is eaglespec_{name} with
     a `supported()` op; None when it runs here, else why not (a failed build, or a CPU without
     `needs`, say "a CPU with AVX-512")."""
-    source = CSRC / f"{name}.cpp"
     try:
         import torch
-        from torch.utils import cpp_extension
 
-        digest = hashlib.sha256(source.read_bytes() + repr(CFLAGS).encode()).hexdigest()[:12]
-        cpp_extension.load(
-            name=f"eaglespec_{name}_{digest}",
-            sources=[str(source)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        compile_and_load(CSRC / f"{name}.cpp", f"eaglespec_{name}")
     except Exception as e:  # no compiler, no ninja, a failed build: say which
         return f"the {name} kernel did not build ({type(e).__name__}: {str(e)[:300]})"
     if not getattr(torch.ops, f"eaglespec_{name}").supported():
