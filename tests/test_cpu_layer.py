@@ -62,9 +62,11 @@ def _run(model: Transformer) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 def _assert_fused_is_python(model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
     """_run on the model (fused where the op takes it) and on a copy through the Python forward
-    (block_args patched to refuse every layer): the same logits, states and cache bits."""
+    (block_args and stack_args patched to refuse every layer): the same logits, states and cache
+    bits."""
     fused, fused_cache = _run(model)
     monkeypatch.setattr(cpu_layer, "block_args", lambda *a: None)
+    monkeypatch.setattr(cpu_layer, "stack_args", lambda *a: None)
     python, python_cache = _run(copy.deepcopy(model))
     for a, b in zip(fused, python, strict=True):
         assert torch.equal(a, b)
@@ -81,6 +83,44 @@ def test_the_fused_layer_has_the_python_forwards_bits(
     plan = model.new_cache(1, 4).plan(1)
     assert cpu_layer.fits(block, x, model.new_cache(1, 4).k_layers[0], plan)
     with torch.inference_mode():
+        _assert_fused_is_python(model, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_stacked_layers_have_the_per_layer_bits(
+    dtype: torch.dtype, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All layers in one `stack` call against one fused op per layer: the same logits, captured
+    states and cache bits, and the stack really ran."""
+    model = _target(dtype, bias)
+    calls: list[int] = []
+    real = cpu_layer.forward_stack
+    monkeypatch.setattr(cpu_layer, "forward_stack", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        stacked, stacked_cache = _run(model)
+        assert len(calls) == 5  # the prefill, two steps, the tree, the last step
+        monkeypatch.setattr(cpu_layer, "stack_args", lambda *a: None)
+        per_layer, per_layer_cache = _run(copy.deepcopy(model))
+    assert len(calls) == 5
+    for a, b in zip(stacked, per_layer, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(stacked_cache, per_layer_cache)
+
+
+def test_the_stack_reads_layers_replaced_after_a_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack's arguments are kept on the model (cpu_layer.StackArgs): a whole layer
+    replaced, or a layer the op cannot take, must be noticed by the next forward."""
+    model, donor = _target(torch.bfloat16), _target(torch.bfloat16, bias=True)
+    with torch.inference_mode():
+        _run(model)
+        model.layers[1] = donor.layers[1]
+        assert cpu_layer.stack_args(model) is not None
+        assert cpu_layer.stack_args(model).matrices[1][1] is donor.layers[1].attn.wqkv.bias
+        _assert_fused_is_python(model, monkeypatch)
+        monkeypatch.undo()
+        model.layers[2].attn.q_norm = torch.nn.Identity()  # type: ignore[assignment]
+        assert cpu_layer.stack_args(model) is None  # layers 0 and 1 still fused, one by one
         _assert_fused_is_python(model, monkeypatch)
 
 

@@ -233,7 +233,6 @@ class Transformer(nn.Module):
         logit_index: torch.Tensor | None,  # (B, T') or None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The forward's tensor work: (B, T', V) fp32 logits and one (B, T, C) state per capture."""
-        B = input_ids.shape[0]
         cfg = self.cfg
         rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
         x = self.embed(input_ids)  # (B, T, C)
@@ -246,11 +245,17 @@ class Transformer(nn.Module):
             if self.inv_freq_local is not None:
                 local_rope = rope_cos_sin(positions, self.inv_freq_local, self.dtype)
             local_plan = sliding_plan(plan, positions, cfg.sliding_window)
+        fusable = cpu_layer.step_fits(x, k_layers[0], plan)  # asked once, not per layer
+        stack = cpu_layer.stack_args(self) if fusable and not cfg.sliding_layers else None
+        if stack is not None:  # every layer's fused op in one call
+            x, captured = cpu_layer.forward_stack(
+                stack, x, rope, list(k_layers), list(v_layers), plan, capture
+            )
+            return self._logits(x, logit_index), captured
         # The state at every boundary (references, no copies), picked by `capture` at the end.
         # A dict keyed by the boundary ids breaks torch.compile's whole-body graph (dynamo
         # treats the ints of `capture` as symbolic and the dict lookup then misses).
         boundary = [x]
-        fusable = cpu_layer.step_fits(x, k_layers[0], plan)  # asked once, not per layer
         for i, block in enumerate(self.layers):
             sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[i]
             r, p = (local_rope, local_plan) if sliding else (rope, plan)
@@ -260,11 +265,19 @@ class Transformer(nn.Module):
             else:
                 x = block(x, r, k_layers[i], v_layers[i], p)
             boundary.append(x)
+        return self._logits(x, logit_index), [boundary[b] for b in capture]
+
+    def _logits(
+        self,
+        x: torch.Tensor,  # (B, T, C) the last layer's output
+        logit_index: torch.Tensor | None,  # (B, T') or None
+    ) -> torch.Tensor:
+        """(B, T', V) fp32 logits of the columns `logit_index` picks (all when None)."""
         if logit_index is not None:
-            rows = torch.arange(B, device=x.device)[:, None]
+            rows = torch.arange(x.shape[0], device=x.device)[:, None]
             x = x[rows, logit_index]  # (B, T', C)
-        logits = self.lm_head(self.norm(x)).float()
-        return logits, [boundary[b] for b in capture]
+        logits: torch.Tensor = self.lm_head(self.norm(x)).float()
+        return logits
 
     def compile_steps(self, mode: str, max_tokens: int = COMPILE_MAX_TOKENS) -> None:
         """Run forwards of at most `max_tokens` new tokens onto a cached prefix (decode steps,

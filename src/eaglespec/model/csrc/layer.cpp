@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -108,6 +109,43 @@ at::Tensor layer_forward(const at::Tensor& x, const at::Tensor& attn_norm, const
                     n_13, w2, b2, cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
 }
 
+// The decoder's layers in one call: layer_forward for each layer l in turn, with layer l's norms,
+// matrices and caches (list element l) and the shared rope, slots, key count, mask and head
+// count. Returns the output, then the state at each boundary in `capture` (boundary b: the input
+// of layer b, the output after the last layer at b = L), in capture's order: the same tensors a
+// loop over layer_forward gives, so the same bits; what this saves is one Python call a layer.
+std::vector<at::Tensor> stack_forward(
+    const at::Tensor& x, at::TensorList attn_norms, at::TensorList mlp_norms, double eps,
+    at::TensorList wqkv, const c10::List<std::optional<at::Tensor>>& bqkv, int64_t n_qkv,
+    at::TensorList wo, const c10::List<std::optional<at::Tensor>>& bo, at::TensorList w13,
+    const c10::List<std::optional<at::Tensor>>& b13, int64_t n_13, at::TensorList w2,
+    const c10::List<std::optional<at::Tensor>>& b2, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots, int64_t num_keys,
+    const std::optional<at::Tensor>& mask, int64_t num_heads, at::IntArrayRef capture) {
+  const int64_t L = static_cast<int64_t>(wqkv.size());
+  for (const size_t n : {attn_norms.size(), mlp_norms.size(), bqkv.size(), wo.size(), bo.size(),
+                         w13.size(), b13.size(), w2.size(), b2.size(), k_caches.size(),
+                         v_caches.size()})
+    TORCH_CHECK(static_cast<int64_t>(n) == L, "stack: ", L, " layers, but a list of ", n);
+  for (const int64_t b : capture)
+    TORCH_CHECK(0 <= b && b <= L, "stack: capture boundary ", b, " outside [0, ", L, "]");
+  std::vector<at::Tensor> out(1 + capture.size());
+  auto keep = [&](int64_t b, const at::Tensor& state) {
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == b) out[1 + c] = state;
+  };
+  at::Tensor h = x;
+  keep(0, h);
+  for (int64_t l = 0; l < L; ++l) {
+    h = layer_forward(h, attn_norms[l], mlp_norms[l], eps, wqkv[l], bqkv.get(l), n_qkv, wo[l],
+                      bo.get(l), w13[l], b13.get(l), n_13, w2[l], b2.get(l), cos, sin,
+                      k_caches[l], v_caches[l], slots, num_keys, mask, num_heads);
+    keep(l + 1, h);
+  }
+  out[0] = h;
+  return out;
+}
+
 // Gemma 3's layer (llama.py's SandwichBlock with its Attention and GELU-tanh GatedMLP), each
 // matrix 4-bit (bits 4: linear) or 8-bit (bits 8: linear8) as w4a8-mixed stored it, no biases.
 // norms: attn, q, k, post-attention, mlp (pre-feedforward), post-mlp weights.
@@ -165,6 +203,12 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "Tensor w2, Tensor? b2, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slots, int num_keys, Tensor? mask, int num_heads) -> Tensor");
   m.def(
+      "stack(Tensor x, Tensor[] attn_norms, Tensor[] mlp_norms, float eps, Tensor[] wqkv, "
+      "Tensor?[] bqkv, int n_qkv, Tensor[] wo, Tensor?[] bo, Tensor[] w13, Tensor?[] b13, "
+      "int n_13, Tensor[] w2, Tensor?[] b2, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor slots, int num_keys, Tensor? mask, int num_heads, "
+      "int[] capture) -> Tensor[]");
+  m.def(
       "sandwich(Tensor x, Tensor[] norms, float eps, Tensor wqkv, int bits_qkv, int n_qkv, "
       "Tensor wo, int bits_o, Tensor w13, int bits_13, int n_13, Tensor w2, int bits_2, "
       "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
@@ -175,6 +219,7 @@ TORCH_LIBRARY(eaglespec_layer, m) {
 TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
   m.impl("forward", &layer_forward);
   m.impl("forward_from", &layer_from);
+  m.impl("stack", &stack_forward);
   m.impl("sandwich", &sandwich_forward);
 }
 
