@@ -1,6 +1,6 @@
 """eaglespec's CPU row-op kernels (model/cpu_rowops.py, csrc/rowops.cpp): RMSNorm against its
-plain-torch math, RoPE + cache write bitwise against the PyTorch ops it replaces, row
-independence, and where they step aside (compiling, gradients). Skipped where the kernels cannot
+plain-torch math, RoPE + cache write bitwise against the PyTorch ops it replaces, argmax against
+torch.max's indices, row independence, and where they step aside (compiling, gradients). Skipped where the kernels cannot
 run (no AVX-512, no C++ compiler)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from eaglespec.cache import KVCache, write_entries
 from eaglespec.model import cpu_rowops
 from eaglespec.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from eaglespec.sampling import greedy_tokens
 
 pytestmark = pytest.mark.skipif(
     cpu_rowops.available() is not None,
@@ -109,3 +110,41 @@ def test_rope_write_refuses_a_slot_outside_the_cache() -> None:
     k, v = cache.k_layers[0], cache.v_layers[0]
     with pytest.raises(RuntimeError, match="slot 4 outside the cache"):
         cpu_rowops.rope_write(qkv, trig, trig, k, v, torch.tensor([[4]]))
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (2, 3, 8192), (5, 17), (3, 1), (64, 33)])
+def test_argmax_is_torch_max_indices(shape: tuple[int, ...]) -> None:
+    """Random rows of every width (whole and partial 16-lane chunks), then rows full of ties:
+    the first maximum, as torch.max gives it."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=gen)
+    assert torch.equal(cpu_rowops.argmax(x), x.max(-1).indices)
+    ties = torch.randint(0, 3, shape, generator=gen).float()
+    assert torch.equal(cpu_rowops.argmax(ties), ties.max(-1).indices)
+
+
+def test_argmax_edge_values() -> None:
+    """NaN counts as the maximum (the first one wins), -inf everywhere is index 0, and -0.0
+    ties +0.0 (the first of them wins), as in torch.max."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor(
+        [
+            [1.0, nan, 3.0, nan],
+            [-inf, -inf, -inf, -inf],
+            [-0.0, 0.0, -1.0, -2.0],
+            [2.0, 5.0, 5.0, inf],
+            [-1.0, -0.5, -0.5, -3.0],
+        ]
+    )
+    assert torch.equal(cpu_rowops.argmax(x), x.max(-1).indices)
+    assert cpu_rowops.argmax(x).tolist() == [1, 0, 0, 3, 1]
+
+
+def test_greedy_tokens_take_the_kernel_where_it_fits() -> None:
+    """fp32 on the CPU: the kernel; bf16 logits or gradients wanted: torch.max, same answer."""
+    x = torch.randn(3, 500)
+    assert cpu_rowops.argmax_fits(x)
+    assert not cpu_rowops.argmax_fits(x.bfloat16())
+    assert not cpu_rowops.argmax_fits(x.clone().requires_grad_())
+    for logits in (x, x.bfloat16(), x.clone().requires_grad_()):
+        assert torch.equal(greedy_tokens(logits), logits.max(-1).indices)

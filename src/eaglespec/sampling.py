@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglespec.config import SamplingParams
+from eaglespec.model import cpu_rowops
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +82,12 @@ class SamplingTensors:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) -> (...) int64: the index of each row's first maximum, as `argmax` gives it,
-    through torch.max, which is 2-3x faster over a vocabulary on CPU (torch 2.13, 2 threads:
-    (1, 49152) fp32 28 against 64 us, (32, 49152) 0.40 against 1.04 ms)."""
+    """(..., V) -> (...) int64: the index of each row's first maximum, as `argmax` gives it:
+    eaglespec's kernel for fp32 on the CPU (cpu_rowops.argmax, 6x faster), else torch.max, which
+    is 2-3x faster than argmax over a vocabulary on CPU (torch 2.13, 2 threads: (1, 49152) fp32
+    28 against 64 us, (32, 49152) 0.40 against 1.04 ms)."""
+    if cpu_rowops.argmax_fits(logits):
+        return cpu_rowops.argmax(logits)
     return logits.max(-1).indices
 
 

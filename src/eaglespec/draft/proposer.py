@@ -27,6 +27,7 @@ import torch
 from eaglespec.cache import KVCache
 from eaglespec.config import TreeConfig
 from eaglespec.draft.eagle3 import DraftOutput, Eagle3Head
+from eaglespec.sampling import greedy_tokens
 from eaglespec.tree import DraftTree, build_tree
 
 
@@ -150,14 +151,14 @@ class Eagle3Proposer:
         self.flush(state)
         committed = list(state.cache.lengths)
         dev = state.logits.device
-        token = self.head.to_target(state.logits.argmax(-1))  # (B,)
+        token = self.head.to_target(greedy_tokens(state.logits))  # (B,)
         hidden = state.prenorm
         drafts = [token]
         for _ in range(k - 1):
             positions = torch.tensor(state.cache.lengths, device=dev)[:, None]  # (B, 1)
             out: DraftOutput = self.head(token[:, None], hidden[:, None], positions, state.cache)
             state.cache.advance([1] * len(committed))
-            token = self.head.to_target(out.logits[:, -1].argmax(-1))
+            token = self.head.to_target(greedy_tokens(out.logits[:, -1]))
             hidden = out.prenorm[:, -1]
             drafts.append(token)
         state.cache.truncate(committed)

@@ -1,5 +1,5 @@
 """Row-wise ops of an eager decode step on CPU as eaglespec's own kernels (csrc/rowops.cpp):
-RMSNorm, and RoPE with the KV-cache write.
+RMSNorm, RoPE with the KV-cache write, and the greedy token choice (argmax over the logits).
 
 Why: in an eager decode step the work of a norm over one 576-wide row is nanoseconds, and
 PyTorch's CPU `rms_norm` is a composite of seven ops (upcast, pow, mean, add, rsqrt, two muls,
@@ -13,6 +13,10 @@ and v written at each token's cache slot, q returned. The PyTorch form (`layers.
 is about a dozen ops a layer (slices, the rotation's products and roll, transposes, two
 `index_put`s). It rounds as those eager ops do (each product and the sum to the model dtype), so
 its bits are theirs (tested).
+
+`argmax` is torch.max(x, -1).indices for fp32 rows (the first maximum; a NaN counts as the
+maximum), in one call: over SmolLM2's 49,152 logits 9 against 57 us for one row, 13 against 84 us
+for a verification's two (2 threads, session 27).
 
 RMSNorm numerics: the mean of squares in fp32 (lane-wise sums, then one reduction),
 1 / sqrt(. + eps), the product with the weight in fp32, rounded once to x's dtype, as
@@ -77,6 +81,17 @@ def rope_write_fits(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel takes this rotation and cache write: a head dim divisible by 32 (the
     rotation's halves in whole 16-lane chunks), the cache in qkv's dtype."""
     return qkv.shape[-1] % 32 == 0 and k_cache.dtype == qkv.dtype and eager_cpu(qkv, k_cache)
+
+
+def argmax_fits(x: torch.Tensor) -> bool:
+    """Whether the kernel takes this argmax: fp32 rows on the CPU, eager."""
+    return x.dtype == torch.float32 and x.dim() > 0 and x.shape[-1] > 0 and eager_cpu(x, x)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x (..., V) fp32 -> (...) int64, torch.max(x, -1).indices. Call only where `argmax_fits`."""
+    out: torch.Tensor = torch.ops.eaglespec_rowops.argmax(x)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,6 +11,11 @@
 // sum rounded to x's dtype as PyTorch's eager ops round them, so the bits are `apply_rope`'s),
 // k and v written to the cache at each token's slot, q returned. One call in place of a dozen
 // ops a layer.
+//
+// argmax: each fp32 row's index of its first maximum, as torch.max(x, -1).indices gives it (a NaN
+// counts as the maximum: the first NaN's index). Two passes over the row: the maximum (and whether
+// any NaN), then the first index holding it. A greedy step's or verification's token choice
+// over a 49,152-token vocabulary in one call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -149,6 +154,29 @@ void rope_write_all(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   });
 }
 
+// Row x (V fp32 values) -> the index of its first maximum (of its first NaN if it has one).
+ROWOPS_TARGET int64_t argmax_row(const float* x, int64_t V) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 m = V - v >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - v)) - 1);
+    const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + v);
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, a);
+  }
+  if (nan) {
+    for (int64_t v = 0; v < V; ++v)
+      if (std::isnan(x[v])) return v;
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 m = V - v >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - v)) - 1);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + v), top, _CMP_EQ_OQ);
+    if (hit) return v + __builtin_ctz(hit);
+  }
+  return 0;  // not reached: the maximum is one of the values
+}
+
 }  // namespace
 
 // x (..., C) fp32 or bf16, w (C,) fp32 or x's dtype -> (..., C) in x's dtype.
@@ -211,16 +239,39 @@ at::Tensor rowops_rope_write(const at::Tensor& qkv_in, const at::Tensor& cos_in,
   return q;
 }
 
+// x (..., V) fp32 -> (...) int64: each row's index of its first maximum (a NaN counts as the
+// maximum), torch.max(x, -1).indices' values; rows split among threads, each row alone.
+at::Tensor rowops_argmax(const at::Tensor& x_in) {
+  TORCH_CHECK(cpu_supported(), "eaglespec argmax: this CPU lacks AVX-512");
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() >= 1,
+              "argmax: CPU fp32 (..., V) only, got ", x_in.scalar_type(), " ", x_in.sizes());
+  const int64_t V = x_in.size(-1);
+  TORCH_CHECK(V > 0, "argmax: an empty last dimension has no maximum");
+  const at::Tensor x = x_in.contiguous().view({-1, V});
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / V), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) op[m] = argmax_row(xp + m * V, V);
+  });
+  auto sizes = x_in.sizes().vec();
+  sizes.pop_back();
+  return out.view(sizes);
+}
+
 bool rowops_supported() { return cpu_supported(); }
 
 TORCH_LIBRARY(eaglespec_rowops, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
   m.def("supported() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_rowops, CPU, m) {
+  m.impl("argmax", &rowops_argmax);
   m.impl("rms_norm", &rowops_rms_norm);
   m.impl("rope_write", &rowops_rope_write);
 }
