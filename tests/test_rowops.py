@@ -1,7 +1,7 @@
 """eaglespec's CPU row-op kernels (model/cpu_rowops.py, csrc/rowops.cpp): RMSNorm against its
 plain-torch math, RoPE + cache write bitwise against the PyTorch ops it replaces, argmax against
-torch.max's indices, row independence, and where they step aside (compiling, gradients). Skipped where the kernels cannot
-run (no AVX-512, no C++ compiler)."""
+torch.max's indices, row independence, and where they step aside (compiling, gradients).
+Skipped where the kernels cannot run (no AVX-512, no C++ compiler)."""
 
 from __future__ import annotations
 
