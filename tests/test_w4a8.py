@@ -186,6 +186,26 @@ def test_each_row_is_computed_alone(kind: type[w4a8.W4A8Linear], dtype: torch.dt
         assert torch.equal(mod(x[m // 2 : m])[: m - m // 2], alone[m // 2 : m]), m
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [576, 97])
+def test_the_residual_add_has_atens_bits(dtype: torch.dtype, n: int) -> None:
+    """linear_add(x, w, N, r) is bitwise r + linear(x, w, N) (ATen's add of the rounded product),
+    at every row count the kernel tiles, N a multiple of its 16-row blocks or not, and a
+    residual of another shape or dtype is refused."""
+    mod = w4a8.W4A8Linear.from_linear(_layer(n, 576, bias=False))
+    torch.manual_seed(3)
+    x = torch.randn(max(ROW_COUNTS), 576).to(dtype)
+    r = torch.randn(max(ROW_COUNTS), n).to(dtype)
+    for m in ROW_COUNTS:
+        got = torch.ops.eaglespec_w4a8.linear_add(x[:m], mod.weight, n, r[:m])
+        want = r[:m] + torch.ops.eaglespec_w4a8.linear(x[:m], mod.weight, n)
+        assert got.dtype == dtype and torch.equal(got, want), m
+    with pytest.raises(RuntimeError, match="residual must be"):
+        torch.ops.eaglespec_w4a8.linear_add(x[:2], mod.weight, n, r[:3])
+    with pytest.raises(RuntimeError, match="residual must be"):
+        torch.ops.eaglespec_w4a8.linear_add(x[:2], mod.weight, n, r[:2].half())
+
+
 @pytest.mark.parametrize("kind", [w4a8.W4A8Linear, w4a8.W8A8Linear])
 @pytest.mark.parametrize("n", [4, 6, 50, 97])
 def test_any_number_of_output_rows(kind: type[w4a8.W4A8Linear], n: int) -> None:

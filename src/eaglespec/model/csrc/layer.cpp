@@ -6,7 +6,9 @@
 //   x = x + w4a8(a) (+ bias); h = rms_norm(x); g, u = w4a8(h) (+ bias); x = x + w4a8(silu(g) * u)
 //
 // The same ops as the Python forward (eaglespec's kernels through the dispatcher, ATen for the
-// adds, SiLU and product), so the same bits: what this saves is Python, about 50 us a layer.
+// adds, SiLU and product; a residual add after a matrix without a bias is the kernel's own,
+// `linear_add`, with ATen's bits), so the same bits: what this saves is Python, about 50 us a
+// layer.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -19,6 +21,7 @@
 namespace {
 
 using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+using LinearAdd = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&);
 using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using RopeWrite = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
                              at::Tensor, const at::Tensor&);
@@ -29,6 +32,7 @@ using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 struct Ops {
   c10::TypedOperatorHandle<Linear> linear;
   c10::TypedOperatorHandle<Linear> linear8;
+  c10::TypedOperatorHandle<LinearAdd> linear_add;
   c10::TypedOperatorHandle<Norm> rms_norm;
   c10::TypedOperatorHandle<RopeWrite> rope_write;
   c10::TypedOperatorHandle<Attend> attend;
@@ -38,6 +42,9 @@ const Ops& ops() {
   static const Ops o{
       c10::Dispatcher::singleton().findSchemaOrThrow("eaglespec_w4a8::linear", "").typed<Linear>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("eaglespec_w4a8::linear8", "").typed<Linear>(),
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("eaglespec_w4a8::linear_add", "")
+          .typed<LinearAdd>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("eaglespec_rowops::rms_norm", "").typed<Norm>(),
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("eaglespec_rowops::rope_write", "")
@@ -54,6 +61,14 @@ at::Tensor project(const at::Tensor& x2, const at::Tensor& w, const std::optiona
                    int64_t N) {
   at::Tensor y = ops().linear.call(x2, w, N);
   return b.has_value() ? y + *b : y;
+}
+
+// residual + project(x2, w, b, N): without a bias through the kernel's own add (linear_add, the
+// same bits as ATen's add of the two), with one as two ATen adds.
+at::Tensor project_add(const at::Tensor& x2, const at::Tensor& w,
+                       const std::optional<at::Tensor>& b, int64_t N, const at::Tensor& residual) {
+  if (b.has_value()) return residual + project(x2, w, b, N);
+  return ops().linear_add.call(x2, w, N, residual);
 }
 
 }  // namespace
@@ -84,12 +99,12 @@ at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at:
   const at::Tensor keys = k_cache.narrow(2, 0, num_keys), values = v_cache.narrow(2, 0, num_keys);
   // attend returns (B, H, T, D) as a view of a contiguous (B, T, H, D): the rows wo reads
   const at::Tensor a = o.attend.call(q, keys, values, mask, std::pow(double(D), -0.5));  // D ** -0.5
-  const at::Tensor x_attn = x2 + project(a.transpose(1, 2).reshape({B * T, H * D}), wo, bo, C);
+  const at::Tensor x_attn = project_add(a.transpose(1, 2).reshape({B * T, H * D}), wo, bo, C, x2);
   const at::Tensor h2 = o.rms_norm.call(x_attn, mlp_norm, eps);
   const at::Tensor gu = project(h2, w13, b13, n_13);
   const int64_t I = n_13 / 2;
   const at::Tensor act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
-  return (x_attn + project(act, w2, b2, C)).view({B, T, C});
+  return project_add(act, w2, b2, C, x_attn).view({B, T, C});
 }
 
 // x (B, T, C); the layer's norms' weights and eps; its packed w4a8 matrices with their output

@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -116,6 +117,14 @@ W4A8_TARGET void quantize_row(const T* x, const Rows& r) {
 inline void store(float* y, float v) { *y = v; }
 inline void store(at::BFloat16* y, float v) { *y = at::BFloat16(v); }  // round to nearest even
 
+// The product rounded to T as `store` rounds it, then the residual added as ATen adds two T
+// tensors (in fp32, rounded once to T): `linear_add`'s y = r + x W^T has the bits of
+// `r + linear(x)`.
+inline void store_add(float* y, float v, float r) { *y = r + v; }
+inline void store_add(at::BFloat16* y, float v, at::BFloat16 r) {
+  *y = at::BFloat16(static_cast<float>(r) + static_cast<float>(at::BFloat16(v)));
+}
+
 // One group's int32 dot products of 16 weight rows (8 registers: step t's 4 bytes per lane) with
 // one activation row's 32 codes (x, as 8 dwords, each broadcast to every lane), starting from
 // `init`. Integer sums are exact, so the two chains (for latency) change no bit.
@@ -130,9 +139,11 @@ W4A8_TARGET inline __m512i group_dot(const __m512i (&w)[8], const int32_t* x, __
 }
 
 // One weight block (16 output rows) against a tile of MB activation rows (x at the tile's first
-// row): y[m * ldy + i] for m < MB and the block's first `valid` rows i.
+// row): y[m * ldy + i] for m < MB and the block's first `valid` rows i, plus r[m * ldy + i] where
+// r is given (linear_add's residual, laid out as y).
 template <int Bits, int MB, typename T>
-W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, int64_t ldy, int64_t valid) {
+W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r, int64_t ldy,
+                            int64_t valid) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // The tile's loops are unrolled so that acc[] lives in registers (GCC otherwise keeps it on
   // the stack, measured 2x slower).
@@ -176,34 +187,39 @@ W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, int64_t ldy
   alignas(64) float out[kRows];
   for (int m = 0; m < MB; ++m) {
     _mm512_store_ps(out, acc[m]);
-    for (int64_t i = 0; i < valid; ++i) store(y + m * ldy + i, out[i]);
+    if (r != nullptr)
+      for (int64_t i = 0; i < valid; ++i) store_add(y + m * ldy + i, out[i], r[m * ldy + i]);
+    else
+      for (int64_t i = 0; i < valid; ++i) store(y + m * ldy + i, out[i]);
   }
 }
 
 // One weight block against `rows` activation rows (any number): tiles of kTile rows, then one
 // tile of the rest.
 template <int Bits, typename T>
-void block_rows(const uint8_t* blk, const Rows& x, int64_t rows, T* y, int64_t ldy,
+void block_rows(const uint8_t* blk, const Rows& x, int64_t rows, T* y, const T* r, int64_t ldy,
                 int64_t valid) {
+  auto at = [&](int64_t m) { return r == nullptr ? nullptr : r + m * ldy; };
   int64_t m = 0;
   for (; m + kTile <= rows; m += kTile)
-    block_tile<Bits, kTile>(blk, x.at(m), y + m * ldy, ldy, valid);
-  const Rows r = x.at(m);
+    block_tile<Bits, kTile>(blk, x.at(m), y + m * ldy, at(m), ldy, valid);
+  const Rows xr = x.at(m);
   T* yr = y + m * ldy;
+  const T* rr = at(m);
   switch (rows - m) {
     case 0: break;
-    case 1: block_tile<Bits, 1>(blk, r, yr, ldy, valid); break;
-    case 2: block_tile<Bits, 2>(blk, r, yr, ldy, valid); break;
-    case 3: block_tile<Bits, 3>(blk, r, yr, ldy, valid); break;
-    case 4: block_tile<Bits, 4>(blk, r, yr, ldy, valid); break;
-    case 5: block_tile<Bits, 5>(blk, r, yr, ldy, valid); break;
-    case 6: block_tile<Bits, 6>(blk, r, yr, ldy, valid); break;
-    case 7: block_tile<Bits, 7>(blk, r, yr, ldy, valid); break;
+    case 1: block_tile<Bits, 1>(blk, xr, yr, rr, ldy, valid); break;
+    case 2: block_tile<Bits, 2>(blk, xr, yr, rr, ldy, valid); break;
+    case 3: block_tile<Bits, 3>(blk, xr, yr, rr, ldy, valid); break;
+    case 4: block_tile<Bits, 4>(blk, xr, yr, rr, ldy, valid); break;
+    case 5: block_tile<Bits, 5>(blk, xr, yr, rr, ldy, valid); break;
+    case 6: block_tile<Bits, 6>(blk, xr, yr, rr, ldy, valid); break;
+    case 7: block_tile<Bits, 7>(blk, xr, yr, rr, ldy, valid); break;
   }
 }
 
 template <int Bits, typename T>
-void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   const int64_t ng = K / kGroup, blocks = (N + kRows - 1) / kRows;
   // Scratch for the quantized rows, reused by the calling thread: xq (M, K) int8, then dx, xsum
@@ -232,7 +248,8 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
     for (int64_t c = 0; c < M; c += chunk)
       for (int64_t b = b0; b < b1; ++b)
         block_rows<Bits>(wp + b * block_bytes, rows.at(c), std::min(chunk, M - c),
-                         yp + c * N + b * kRows, N, std::min(kRows, N - b * kRows));
+                         yp + c * N + b * kRows, res == nullptr ? nullptr : res + c * N + b * kRows,
+                         N, std::min(kRows, N - b * kRows));
   });
 }
 
@@ -251,17 +268,28 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N, int bits) {
               ", K = ", K, ", got ", w.sizes(), " ", w.scalar_type());
 }
 
-// (M, K) fp32 or bf16 rows -> (M, N) in x's dtype.
+// (M, K) fp32 or bf16 rows -> (M, N) in x's dtype; plus `residual` (M, N) in x's dtype where
+// given (linear_add).
 template <int Bits>
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N) {
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N,
+                  const std::optional<at::Tensor>& residual = std::nullopt) {
   const at::Tensor x =
       x_in.scalar_type() == at::kBFloat16 ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   check_args(x, w, N, Bits);
+  at::Tensor r;
+  if (residual.has_value()) {
+    TORCH_CHECK(x_in.scalar_type() == x.scalar_type(), "linear_add: fp32 or bf16 rows only");
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->dim() == 2 &&
+                    residual->size(0) == x.size(0) && residual->size(1) == N,
+                "linear_add: residual must be (", x.size(0), ", ", N, ") ", x.scalar_type(),
+                ", got ", residual->sizes(), " ", residual->scalar_type());
+    r = residual->contiguous();
+  }
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   if (x.scalar_type() == at::kBFloat16)
-    run<Bits, at::BFloat16>(x, w, y);
+    run<Bits, at::BFloat16>(x, w, y, r.defined() ? r.data_ptr<at::BFloat16>() : nullptr);
   else
-    run<Bits, float>(x, w, y);
+    run<Bits, float>(x, w, y, r.defined() ? r.data_ptr<float>() : nullptr);
   return x_in.scalar_type() == x.scalar_type() ? y : y.to(x_in.scalar_type());
 }
 
@@ -275,17 +303,26 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return linear<8>(x, w, N);
 }
 
+// residual (M, N) + x (M, K) W^T, the bits of `residual + linear(x, w, N)` (store_add): the
+// decoder layer's two residual adds without an op or a tensor of their own.
+at::Tensor w4a8_linear_add(const at::Tensor& x, const at::Tensor& w, int64_t N,
+                           const at::Tensor& residual) {
+  return linear<4>(x, w, N, residual);
+}
+
 bool w4a8_supported() { return cpu_supported(); }
 
 TORCH_LIBRARY(eaglespec_w4a8, m) {
   m.def("linear(Tensor x, Tensor w, int N) -> Tensor");
   m.def("linear8(Tensor x, Tensor w, int N) -> Tensor");
+  m.def("linear_add(Tensor x, Tensor w, int N, Tensor residual) -> Tensor");
   m.def("supported() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_w4a8, CPU, m) {
   m.impl("linear", &w4a8_linear);
   m.impl("linear8", &w8a8_linear);
+  m.impl("linear_add", &w4a8_linear_add);
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_w4a8, CompositeExplicitAutograd, m) {
