@@ -159,7 +159,7 @@ ROWOPS_TARGET int64_t argmax_row(const float* x, int64_t V) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   __mmask16 nan = 0;
   for (int64_t v = 0; v < V; v += 16) {
-    const __mmask16 m = V - v >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - v)) - 1);
+    const __mmask16 m = tail_mask(V - v);
     const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + v);
     nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
     best = _mm512_max_ps(best, a);
@@ -170,8 +170,8 @@ ROWOPS_TARGET int64_t argmax_row(const float* x, int64_t V) {
   }
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
   for (int64_t v = 0; v < V; v += 16) {
-    const __mmask16 m = V - v >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - v)) - 1);
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + v), top, _CMP_EQ_OQ);
+    const __mmask16 m = tail_mask(V - v);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load16(x + v, m), top, _CMP_EQ_OQ);
     if (hit) return v + __builtin_ctz(hit);
   }
   return 0;  // not reached: the maximum is one of the values
