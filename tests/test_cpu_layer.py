@@ -110,7 +110,8 @@ def test_the_stacked_layers_have_the_per_layer_bits(
 
 def test_the_stack_reads_layers_replaced_after_a_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stack's arguments are kept on the model (cpu_layer.StackArgs): a whole layer
-    replaced, or a layer the op cannot take, must be noticed by the next forward."""
+    replaced, a layer the op cannot take, or that layer made takeable again, must be noticed by
+    the next forward."""
     model, donor = _target(torch.bfloat16), _target(torch.bfloat16, bias=True)
     with torch.inference_mode():
         _run(model)
@@ -122,6 +123,9 @@ def test_the_stack_reads_layers_replaced_after_a_forward(monkeypatch: pytest.Mon
         model.layers[2].attn.q_norm = torch.nn.Identity()  # type: ignore[assignment]
         assert cpu_layer.stack_args(model) is None  # layers 0 and 1 still fused, one by one
         _assert_fused_is_python(model, monkeypatch)
+        monkeypatch.undo()
+        model.layers[2].attn.q_norm = None  # the op takes every layer again: stacked again
+        assert cpu_layer.stack_args(model) is not None
 
 
 def _gemma_target(dtype: torch.dtype) -> Transformer:

@@ -151,9 +151,14 @@ def block_args(block: Block | SandwichBlock) -> LayerArgs | None:
     """The fused op's arguments for a decoder layer whose forward `step_fits`, or None where its
     modules are of kinds the op does not take. The one place that decides a decoder layer's
     path: Transformer.body, Block.forward and SandwichBlock.forward ask it."""
-    sandwich = "post_attn_norm" in block._modules
-    args = _sandwich_args(block) if sandwich else _target_args(block)
+    args = _layer_args(block)
     return args if args.fused else None
+
+
+def _layer_args(block: Block | SandwichBlock) -> LayerArgs:
+    """A decoder layer's LayerArgs, kept whether or not the op takes the layer (`fused`)."""
+    sandwich = "post_attn_norm" in block._modules
+    return _sandwich_args(block) if sandwich else _target_args(block)
 
 
 _BITS = {"W4A8Linear": 4, "W8A8Linear": 8}
@@ -268,10 +273,11 @@ def _stack_build(model: nn.Module) -> StackArgs:
     sources: Sources = []
     layers = _read(model, "layers", sources)
     blocks = [_read(layers, str(i), sources) for i in range(len(layers))]
-    args = [block_args(b) for b in blocks]
+    # every layer's sources, those the op does not take too: one that becomes fusable restacks
+    args = [_layer_args(b) for b in blocks]
     for a in args:
-        sources += a.sources if a is not None else []
-    if any(a is None or a.sandwich for a in args) or not args:
+        sources += a.sources
+    if not args or any(not a.fused or a.sandwich for a in args):
         return StackArgs((), (), 0, False, tuple(sources))
     first = args[0]
     shared = (first.norms[2], first.matrices[2], first.matrices[7], first.num_heads)
