@@ -3,12 +3,13 @@ what batching buys when every row goes through the same kernels (answering many 
 training, a full server batch).
 
     python benchmarks/batched_decode.py [--model smollm2-135m] [--batches 1 8 16 32]
-                                        [--max-tokens 64] [--repeats 3]
+                                        [--max-tokens 64] [--repeats 3] [--amx on|off|both]
 
 B copies of a chat prompt (every row decodes the same number of tokens: ignore_eos), plain
 greedy, eager; tokens per second of decoding = B * max_tokens over the generation's wall time,
 prefill included (one forward over B rows). Medians over --repeats after one warm-up run; batch
-sizes interleaved repeat by repeat.
+sizes interleaved repeat by repeat. `--amx both` times each batch with the w4a8 kernels' AMX
+tiles on and off in turn (csrc/w4a8.cpp; the same bits either way, checked).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+import torch
 
 from eaglespec import LLM, SamplingParams
 
@@ -28,25 +31,34 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--amx", choices=["on", "off", "both"], default="on")
     args = ap.parse_args()
     llm = LLM(args.model, dtype="auto", quant="auto", draft="none", progress=False)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    times: dict[int, list[float]] = {b: [] for b in args.batches}
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.amx]
+    granted = torch.ops.eaglespec_w4a8.use_amx(True)  # whether this CPU and OS allow it
+    times: dict[tuple[int, bool], list[float]] = {(b, a): [] for b in args.batches for a in modes}
+    first: dict[int, list[int]] = {}
     for rep in range(args.repeats + 1):
         for b in args.batches:
-            start = time.perf_counter()
-            outs = llm.generate([PROMPT] * b, params)
-            if rep:  # the first round warms up
-                times[b].append(time.perf_counter() - start)
-            assert all(o.token_ids == outs[0].token_ids for o in outs), "rows differ"
-    one = args.max_tokens / statistics.median(times[args.batches[0]])
-    print(f"{args.model}, default precision, {args.max_tokens} tokens a row")
-    print("| rows B | s | tok/s | x first row count |")
-    print("|---|---|---|---|")
+            for amx in modes:
+                torch.ops.eaglespec_w4a8.use_amx(amx)
+                start = time.perf_counter()
+                outs = llm.generate([PROMPT] * b, params)
+                if rep:  # the first round warms up
+                    times[b, amx].append(time.perf_counter() - start)
+                assert all(o.token_ids == outs[0].token_ids for o in outs), "rows differ"
+                assert first.setdefault(b, outs[0].token_ids) == outs[0].token_ids, "AMX differs"
+    torch.ops.eaglespec_w4a8.use_amx(True)
+    one = args.max_tokens / statistics.median(times[args.batches[0], modes[0]])
+    print(f"{args.model}, default precision, {args.max_tokens} tokens a row, AMX here: {granted}")
+    print("| rows B | AMX | s | tok/s | x first row count |")
+    print("|---|---|---|---|---|")
     for b in args.batches:
-        t = statistics.median(times[b])
-        rate = b * args.max_tokens / t
-        print(f"| {b} | {t:.2f} | {rate:.0f} | {rate / one:.2f} |")
+        for amx in modes:
+            t = statistics.median(times[b, amx])
+            rate = b * args.max_tokens / t
+            print(f"| {b} | {'on' if amx else 'off'} | {t:.2f} | {rate:.0f} | {rate / one:.2f} |")
 
 
 if __name__ == "__main__":

@@ -187,6 +187,39 @@ def test_each_row_is_computed_alone(kind: type[w4a8.W4A8Linear], dtype: torch.dt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 8960])
+def test_amx_tiles_give_the_vnni_bits(dtype: torch.dtype, k: int) -> None:
+    """Where the CPU has AMX, tiles of 16 rows take their dot products from it; every output
+    (4-bit, 8-bit, with the residual add) is bitwise the VNNI path's at every row count, N a
+    multiple of 16 or not, K of one L2 chunk per 16 rows or many."""
+    ops = torch.ops.eaglespec_w4a8
+    if not ops.use_amx(True):
+        pytest.skip("no AMX here (or the OS does not grant its tile state)")
+    try:
+        torch.manual_seed(4)
+        x = torch.randn(max(ROW_COUNTS), k).to(dtype)
+        for n in (160, 97):
+            layer = _layer(n, k, bias=False)
+            w4, w8 = w4a8.W4A8Linear.from_linear(layer), w4a8.W8A8Linear.from_linear(layer)
+            r = torch.randn(max(ROW_COUNTS), n).to(dtype)
+            for m in ROW_COUNTS:
+                got = []
+                for amx in (True, False):
+                    assert ops.use_amx(amx) == amx
+                    got.append(
+                        (
+                            ops.linear(x[:m], w4.weight, n),
+                            ops.linear8(x[:m], w8.weight, n),
+                            ops.linear_add(x[:m], w4.weight, n, r[:m]),
+                        )
+                    )
+                for a, b in zip(*got, strict=True):
+                    assert torch.equal(a, b), (n, m)
+    finally:
+        ops.use_amx(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [576, 97])
 def test_the_residual_add_has_atens_bits(dtype: torch.dtype, n: int) -> None:
     """linear_add(x, w, N, r) is bitwise r + linear(x, w, N) (ATen's add of the rounded product),

@@ -48,6 +48,17 @@ scaling while the weights stream once; rows go in chunks that stay in L2 (long p
 kernel for every M: decode, verification, batched decoding and prefill (benchmarks/roofline.py
 measures each M against this machine's bandwidth and VNNI peak; docs/benchmark-history.md).
 
+AMX (Intel Sapphire Rapids on, where Linux grants the tile state): tiles of 16 rows take each
+group's dot products from one tile multiply (TDPBSUD) instead of 8 vpdpbusd and 8 broadcasts per
+row; the integer sums are exact, so they are the VNNI path's, and the float epilogue is shared,
+so the bits are the same (tests/test_w4a8.py, every row count, on and off). What is left per
+group and row is that epilogue and the tile store it reads. Measured (2026-11-27, 2 threads, a VM
+whose two cores reached 5.7 G vpdpbusd/s that hour; both paths interleaved in one process):
+Qwen2.5-1.5B's four decoder matrices 1.23-1.30x at 32-128 rows, a 16,384-row 8-bit head 1.4x;
+SmolLM2 plain greedy decoding of 32 rows 562 against 472 tok/s, of 64 rows 586 against 462
+(`python benchmarks/batched_decode.py --amx both`). `torch.ops.eaglespec_w4a8.use_amx(False)`
+turns it off (benchmarks and tests compare the two).
+
 Row independence: every (m, n) goes through the same instructions in the same order whatever M
 is, whatever its tile and however the output rows are split among threads, so row b of a forward
 over M rows is bitwise equal to the same row alone, as for the other kernels (tests/test_w4a8.py,

@@ -32,14 +32,25 @@
 // through the same instructions in the same order whatever M, the tile and the thread split:
 //     acc = fma(float(dot), s * dx, acc); acc = fma(mn, xsum, acc)     per group, in order
 // (8-bit: no minimum), so a row of a batch is bitwise the row alone.
+//
+// Where the CPU has AMX (Intel Sapphire Rapids on) and the OS grants its tile state, full tiles
+// of 16 activation rows take the group's dot products from one tile multiply instead (TDPBSUD:
+// the 16 rows' 32 signed codes against the group's 8 steps, which are already AMX's B layout:
+// 16 columns of 4 bytes a row). Integer sums are exact, so its int32 dot products are the VNNI
+// path's, and the same float epilogue (`accumulate`) gives the same bits; the rows left over go
+// through VNNI. The tile multiply replaces 8 vpdpbusd and 8 broadcasts per row and group, so
+// the epilogue, inherent in a scale per group of 32, is what is left (measured in w4a8.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -49,6 +60,7 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRows = 16;  // output rows per weight block: one per int32 lane
 constexpr int kTile = 8;       // activation rows sharing each loaded group (accumulators in registers)
+constexpr int kAmxRows = 16;   // activation rows of an AMX tile multiply
 constexpr int64_t kTaskWeights = int64_t{1} << 18;  // a second thread pays from about here (measured)
 constexpr int64_t kChunkBytes = int64_t{1} << 18;   // activation codes a pass keeps in L2
 constexpr int64_t kPrefetch = 8192;  // bytes of weights prefetched ahead of the group at hand
@@ -60,12 +72,32 @@ constexpr int64_t code_bytes(int bits) { return kRows * kGroup * bits / 8; }
 constexpr int64_t group_bytes(int bits) { return code_bytes(bits) + kRows * (bits == 4 ? 4 : 2); }
 
 #define W4A8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define W4A8_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,amx-tile,amx-int8")))
 
 bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
+
+// AMX-INT8 in the CPU (CPUID leaf 7: EDX bits 24 and 25) and its tile state granted to this
+// process by Linux (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once.
+bool amx_granted() {
+  static const bool granted = [] {
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const bool has = ((d >> 24) & 1) && ((d >> 25) & 1);
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return cpu_supported() && has && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// Whether full 16-row tiles go through AMX: where granted, unless `use_amx(false)` turned it off
+// (benchmarks and tests compare the two paths; the bits are the same).
+std::atomic<bool> amx_wanted{true};
+bool amx_on() { return amx_wanted.load(std::memory_order_relaxed) && amx_granted(); }
 
 // 16 fp16 values -> fp32 lanes.
 W4A8_TARGET inline __m512 load_f16x16(const uint8_t* p) {
@@ -138,52 +170,22 @@ W4A8_TARGET inline __m512i group_dot(const __m512i (&w)[8], const int32_t* x, __
   return _mm512_add_epi32(a, b);
 }
 
-// One weight block (16 output rows) against a tile of MB activation rows (x at the tile's first
-// row): y[m * ldy + i] for m < MB and the block's first `valid` rows i, plus r[m * ldy + i] where
-// r is given (linear_add's residual, laid out as y).
-template <int Bits, int MB, typename T>
-W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r, int64_t ldy,
-                            int64_t valid) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // The tile's loops are unrolled so that acc[] lives in registers (GCC otherwise keeps it on
-  // the stack, measured 2x slower).
-  __m512 acc[MB];
-#pragma GCC unroll 16
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < x.ng; ++g) {
-    const uint8_t* gp = blk + g * group_bytes(Bits);
-    // The weight stream kPrefetch bytes ahead, every line: the hardware prefetchers stop at each
-    // 4 KB page of a thread's stream, and a decode step's matrices are small (measured: a pass
-    // over SmolLM2's 120 decoder matrices and head 20-30% faster at 1-8 rows). Into L2, not L1:
-    // a prefetch to L1 holds one of the core's few L1 fill buffers until its line arrives, one
-    // to L2 only an L2 miss slot, of which there are about three times as many, so more lines
-    // are in flight (measured against T0: the decoder pass 5-9% and the head 9-13% faster at
-    // 1-2 rows, the same from 4 rows up; session 26).
-    for (int64_t o = 0; o < group_bytes(Bits); o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(gp + kPrefetch + o), _MM_HINT_T1);
-    __m512i w[8];
-    if constexpr (Bits == 4) {
-      for (int L = 0; L < 4; ++L) {  // load L's low nibbles are step 2L, its high ones 2L + 1
-        const __m512i v = _mm512_loadu_si512(gp + L * 64);
-        w[2 * L] = _mm512_and_si512(v, low4);
-        w[2 * L + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
-    } else {
-      for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(gp + t * 64);
-    }
-    const __m512 S = load_f16x16(gp + code_bytes(Bits));
-    const __m512 MN = Bits == 4 ? load_f16x16(gp + code_bytes(Bits) + 32) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) {
-      const int64_t o = m * x.ng + g;  // row m's values of this group
-      const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
-      const __m512i init = Bits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(x.qbias[o]);
-      const __m512i dot = group_dot(w, xp, init);
-      const __m512 scale = _mm512_mul_ps(S, _mm512_set1_ps(x.dx[o]));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
-      if constexpr (Bits == 4) acc[m] = _mm512_fmadd_ps(MN, _mm512_set1_ps(x.xsum[o]), acc[m]);
-    }
-  }
+// One group's int32 dot products of the block's 16 rows with one activation row (o: the row's
+// value index of the group) into its 16 fp32 accumulators. Both paths end every group here, so
+// every (m, n) sees the same float operations in the same order.
+template <int Bits>
+W4A8_TARGET inline __m512 accumulate(__m512 acc, __m512i dot, __m512 S, __m512 MN, const Rows& x,
+                                     int64_t o) {
+  const __m512 scale = _mm512_mul_ps(S, _mm512_set1_ps(x.dx[o]));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+  if constexpr (Bits == 4) acc = _mm512_fmadd_ps(MN, _mm512_set1_ps(x.xsum[o]), acc);
+  return acc;
+}
+
+// A block's accumulators (one register of 16 outputs per activation row) rounded and stored.
+template <int MB, typename T>
+W4A8_TARGET inline void store_tile(const __m512 (&acc)[MB], T* y, const T* r, int64_t ldy,
+                                   int64_t valid) {
   alignas(64) float out[kRows];
   for (int m = 0; m < MB; ++m) {
     _mm512_store_ps(out, acc[m]);
@@ -194,13 +196,162 @@ W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r,
   }
 }
 
-// One weight block against `rows` activation rows (any number): tiles of kTile rows, then one
-// tile of the rest.
+// One group's 8 steps of 64 code bytes (lane i's 4 bytes: row i's features 4t..4t+3), for 4 bits
+// unpacked from the record's 4 loads of low and high nibbles.
+template <int Bits>
+W4A8_TARGET inline void group_steps(const uint8_t* gp, __m512i (&w)[8]) {
+  if constexpr (Bits == 4) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int L = 0; L < 4; ++L) {  // load L's low nibbles are step 2L, its high ones 2L + 1
+      const __m512i v = _mm512_loadu_si512(gp + L * 64);
+      w[2 * L] = _mm512_and_si512(v, low4);
+      w[2 * L + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+  } else {
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(gp + t * 64);
+  }
+}
+
+// The weight stream kPrefetch bytes ahead of a group, every line: the hardware prefetchers stop
+// at each 4 KB page of a thread's stream, and a decode step's matrices are small (measured: a pass
+// over SmolLM2's 120 decoder matrices and head 20-30% faster at 1-8 rows). Into L2, not L1: a
+// prefetch to L1 holds one of the core's few L1 fill buffers until its line arrives, one to L2
+// only an L2 miss slot, of which there are about three times as many, so more lines are in flight
+// (measured against T0: the decoder pass 5-9% and the head 9-13% faster at 1-2 rows, the same
+// from 4 rows up; session 26).
+template <int Bits>
+W4A8_TARGET inline void prefetch_ahead(const uint8_t* gp) {
+  for (int64_t o = 0; o < group_bytes(Bits); o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(gp + kPrefetch + o), _MM_HINT_T1);
+}
+
+// One weight block (16 output rows) against a tile of MB activation rows (x at the tile's first
+// row): y[m * ldy + i] for m < MB and the block's first `valid` rows i, plus r[m * ldy + i] where
+// r is given (linear_add's residual, laid out as y).
+template <int Bits, int MB, typename T>
+W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r, int64_t ldy,
+                            int64_t valid) {
+  // The tile's loops are unrolled so that acc[] lives in registers (GCC otherwise keeps it on
+  // the stack, measured 2x slower).
+  __m512 acc[MB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.ng; ++g) {
+    const uint8_t* gp = blk + g * group_bytes(Bits);
+    prefetch_ahead<Bits>(gp);
+    __m512i w[8];
+    group_steps<Bits>(gp, w);
+    const __m512 S = load_f16x16(gp + code_bytes(Bits));
+    const __m512 MN = Bits == 4 ? load_f16x16(gp + code_bytes(Bits) + 32) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      const int64_t o = m * x.ng + g;  // row m's values of this group
+      const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
+      const __m512i init = Bits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(x.qbias[o]);
+      acc[m] = accumulate<Bits>(acc[m], group_dot(w, xp, init), S, MN, x, o);
+    }
+  }
+  store_tile<MB>(acc, y, r, ldy, valid);
+}
+
+// AMX's tile configuration, two sets for alternate groups: tiles 0 and 3 the int32 dot products
+// (16 activation rows x 16 output rows), 1 and 4 the activation codes (16 rows x 32 bytes), 2 and
+// 5 the group's weight steps (8 rows of 16 x 4 bytes). Loaded by each thread before its first
+// tile multiply.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {4 * kRows, kGroup, 64, 4 * kRows, kGroup, 64};
+  uint8_t rows[16] = {kAmxRows, kAmxRows, kGroup / 4, kAmxRows, kAmxRows, kGroup / 4};
+};
+
+// A block's groups as AMX takes them: `steps` points at group 0's 8 steps of 64 code bytes, the
+// next group's `stride` bytes on (8 bits: the records themselves; 4 bits: unpack_block's copy).
+struct BlockSteps {
+  const uint8_t* steps;
+  int64_t stride;
+};
+
+// A 4-bit block's groups unpacked into `out` (ng x 512 bytes), streamed once for all its tiles.
+W4A8_TARGET inline void unpack_block(const uint8_t* blk, int64_t ng, uint8_t* out) {
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* gp = blk + g * group_bytes(4);
+    prefetch_ahead<4>(gp);
+    __m512i w[8];
+    group_steps<4>(gp, w);
+    for (int t = 0; t < 8; ++t) _mm512_store_si512(out + g * 512 + t * 64, w[t]);
+  }
+}
+
+// Group g's tile multiply (tiles A, B into C: compile-time tile numbers) and its dot products
+// stored to `dots` (16 rows of 16 int32).
+#define W4A8_TILE_DOTS(C, A, B, g, dots)                                    \
+  do {                                                                      \
+    _tile_loadd(B, bs.steps + (g) * bs.stride, 64);                         \
+    _tile_loadd(A, x.xq + (g) * kGroup, x.K);                               \
+    _tile_zero(C);                                                          \
+    _tile_dpbsud(C, A, B);                                                  \
+    _tile_stored(C, dots, 4 * kRows);                                       \
+  } while (0)
+
+// One weight block against 16 activation rows through AMX: per group, one TDPBSUD (the rows'
+// signed codes against the weights' unsigned ones: vpdpbusd's operands) gives the int32 dot
+// products group_dot would, then `accumulate` as block_tile. Two sets of tiles alternate, so a
+// group's dot products are stored one group before they are read (a load right after its tile
+// store waits for it: measured a third of the kernel's time).
+template <int Bits, typename T>
+W4A8_AMX_TARGET void block_amx(const uint8_t* blk, const BlockSteps& bs, const Rows& x, T* y,
+                               const T* r, int64_t ldy, int64_t valid) {
+  __m512 acc[kAmxRows];
+#pragma GCC unroll 16
+  for (int m = 0; m < kAmxRows; ++m) acc[m] = _mm512_setzero_ps();
+  alignas(64) int32_t dots[2][kAmxRows * kRows];  // tile rows of dot products, row-major
+  W4A8_TILE_DOTS(0, 1, 2, 0, dots[0]);
+  for (int64_t g = 0; g < x.ng; ++g) {
+    if (g + 1 < x.ng) {
+      if (g % 2 == 0)
+        W4A8_TILE_DOTS(3, 4, 5, g + 1, dots[1]);
+      else
+        W4A8_TILE_DOTS(0, 1, 2, g + 1, dots[0]);
+    }
+    const int32_t* d = dots[g % 2];
+    const uint8_t* gp = blk + g * group_bytes(Bits);
+    if constexpr (Bits == 8) prefetch_ahead<8>(gp);  // 4 bits: unpack_block streamed it
+    const __m512 S = load_f16x16(gp + code_bytes(Bits));
+    const __m512 MN = Bits == 4 ? load_f16x16(gp + code_bytes(Bits) + 32) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int m = 0; m < kAmxRows; ++m) {
+      const int64_t o = m * x.ng + g;
+      __m512i dot = _mm512_load_si512(d + m * kRows);
+      if constexpr (Bits == 8) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(x.qbias[o]));
+      acc[m] = accumulate<Bits>(acc[m], dot, S, MN, x, o);
+    }
+  }
+  store_tile<kAmxRows>(acc, y, r, ldy, valid);
+}
+#undef W4A8_TILE_DOTS
+
+// One weight block against `rows` activation rows (any number): with `amx`, tiles of kAmxRows
+// rows through AMX; then tiles of kTile rows, then one tile of the rest.
 template <int Bits, typename T>
 void block_rows(const uint8_t* blk, const Rows& x, int64_t rows, T* y, const T* r, int64_t ldy,
-                int64_t valid) {
+                int64_t valid, bool amx) {
   auto at = [&](int64_t m) { return r == nullptr ? nullptr : r + m * ldy; };
   int64_t m = 0;
+  if (amx && rows >= kAmxRows) {
+    BlockSteps bs{blk, group_bytes(Bits)};  // 8 bits: the records are the steps
+    if constexpr (Bits == 4) {
+      thread_local std::vector<uint8_t> unpacked;
+      const size_t bytes = static_cast<size_t>(x.ng * 512 + 64);
+      if (unpacked.size() < bytes) unpacked.resize(bytes);
+      auto* out = reinterpret_cast<uint8_t*>(
+          (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+      unpack_block(blk, x.ng, out);
+      bs = {out, 512};
+    }
+    for (; m + kAmxRows <= rows; m += kAmxRows)
+      block_amx<Bits>(blk, bs, x.at(m), y + m * ldy, at(m), ldy, valid);
+  }
   for (; m + kTile <= rows; m += kTile)
     block_tile<Bits, kTile>(blk, x.at(m), y + m * ldy, at(m), ldy, valid);
   const Rows xr = x.at(m);
@@ -217,6 +368,12 @@ void block_rows(const uint8_t* blk, const Rows& x, int64_t rows, T* y, const T* 
     case 7: block_tile<Bits, 7>(blk, xr, yr, rr, ldy, valid); break;
   }
 }
+
+W4A8_AMX_TARGET void load_tiles() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+W4A8_AMX_TARGET void release_tiles() { _tile_release(); }
 
 template <int Bits, typename T>
 void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) {
@@ -241,15 +398,18 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) 
   T* yp = y.data_ptr<T>();
   const int64_t block_bytes = ng * group_bytes(Bits);
   // Rows in chunks whose codes stay in the core's L2 while a thread's blocks pass over them (a
-  // long prefill); the weights stream once per chunk.
-  const int64_t chunk = std::max<int64_t>(kTile, kChunkBytes / K / kTile * kTile);
+  // long prefill); the weights stream once per chunk. Whole AMX tiles to a chunk.
+  const int64_t chunk = std::max<int64_t>(kAmxRows, kChunkBytes / K / kAmxRows * kAmxRows);
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (kRows * K));  // blocks per task
+  const bool amx = M >= kAmxRows && amx_on();
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    if (amx) load_tiles();  // each thread's own tile state
     for (int64_t c = 0; c < M; c += chunk)
       for (int64_t b = b0; b < b1; ++b)
         block_rows<Bits>(wp + b * block_bytes, rows.at(c), std::min(chunk, M - c),
                          yp + c * N + b * kRows, res == nullptr ? nullptr : res + c * N + b * kRows,
-                         N, std::min(kRows, N - b * kRows));
+                         N, std::min(kRows, N - b * kRows), amx);
+    if (amx) release_tiles();
   });
 }
 
@@ -312,11 +472,19 @@ at::Tensor w4a8_linear_add(const at::Tensor& x, const at::Tensor& w, int64_t N,
 
 bool w4a8_supported() { return cpu_supported(); }
 
+// Whether tiles of 16 rows go through AMX from now on (`enable`, where the CPU and OS allow it);
+// returns whether they do. The bits are the same either way: benchmarks and tests switch it.
+bool w4a8_use_amx(bool enable) {
+  amx_wanted.store(enable, std::memory_order_relaxed);
+  return amx_on();
+}
+
 TORCH_LIBRARY(eaglespec_w4a8, m) {
   m.def("linear(Tensor x, Tensor w, int N) -> Tensor");
   m.def("linear8(Tensor x, Tensor w, int N) -> Tensor");
   m.def("linear_add(Tensor x, Tensor w, int N, Tensor residual) -> Tensor");
   m.def("supported() -> bool");
+  m.def("use_amx(bool enable) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_w4a8, CPU, m) {
@@ -327,4 +495,5 @@ TORCH_LIBRARY_IMPL(eaglespec_w4a8, CPU, m) {
 
 TORCH_LIBRARY_IMPL(eaglespec_w4a8, CompositeExplicitAutograd, m) {
   m.impl("supported", &w4a8_supported);
+  m.impl("use_amx", &w4a8_use_amx);
 }
