@@ -265,6 +265,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {kAmxRows, kAmxRows, kGroup / 4, kAmxRows, kAmxRows, kGroup / 4};
 };
 
+// `bytes` of a thread's reused scratch `buf`, grown as needed, starting on a 64-byte line.
+inline uint8_t* aligned(std::vector<uint8_t>& buf, int64_t bytes) {
+  const size_t need = static_cast<size_t>(bytes) + 64;
+  if (buf.size() < need) buf.resize(need);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
+                                    ~uintptr_t{63});
+}
+
 // A block's groups as AMX takes them: `steps` points at group 0's 8 steps of 64 code bytes, the
 // next group's `stride` bytes on (8 bits: the records themselves; 4 bits: unpack_block's copy).
 struct BlockSteps {
@@ -342,10 +350,7 @@ void block_rows(const uint8_t* blk, const Rows& x, int64_t rows, T* y, const T* 
     BlockSteps bs{blk, group_bytes(Bits)};  // 8 bits: the records are the steps
     if constexpr (Bits == 4) {
       thread_local std::vector<uint8_t> unpacked;
-      const size_t bytes = static_cast<size_t>(x.ng * 512 + 64);
-      if (unpacked.size() < bytes) unpacked.resize(bytes);
-      auto* out = reinterpret_cast<uint8_t*>(
-          (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+      uint8_t* out = aligned(unpacked, x.ng * 512);
       unpack_block(blk, x.ng, out);
       bs = {out, 512};
     }
@@ -381,11 +386,8 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) 
   const int64_t ng = K / kGroup, blocks = (N + kRows - 1) / kRows;
   // Scratch for the quantized rows, reused by the calling thread: xq (M, K) int8, then dx, xsum
   // and qbias (M, ng) 4-byte values each.
-  const size_t bytes = static_cast<size_t>(M * (K + 3 * ng * 4)) + 64;
-  thread_local std::vector<int8_t> scratch;
-  if (scratch.size() < bytes) scratch.resize(bytes);
-  auto* base = reinterpret_cast<int8_t*>(
-      (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  thread_local std::vector<uint8_t> scratch;
+  auto* base = reinterpret_cast<int8_t*>(aligned(scratch, M * (K + 3 * ng * 4)));
   auto* dx = reinterpret_cast<float*>(base + M * K);
   const Rows rows{base, dx, dx + M * ng, reinterpret_cast<int32_t*>(dx + 2 * M * ng), K, ng};
   const T* xin = x.data_ptr<T>();
