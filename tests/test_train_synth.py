@@ -215,18 +215,23 @@ def test_code_stubs_cut_functions_after_signature_and_docstring() -> None:
     ]
     assert code_stubs("no code at all") == []
     assert code_stubs('```python\ndef cut_off(x):\n    """never closed\n') == []
+    # a block still open where the answer stops may hold half a function: not read
+    assert code_stubs(
+        "```python\ndef whole(x):\n    return x\n```\n```python\ndef half(y):\n    y"
+    ) == ["def whole(x):\n"]
 
 
-def test_completion_prompts_take_distinct_stubs_of_finished_answers() -> None:
+def test_completion_prompts_take_distinct_stubs_of_the_targets_answers() -> None:
     class TextTokenizer:  # answer i decodes to texts[i]
         def decode(self, ids: list[int]) -> str:
             return texts[ids[0]]
 
-    texts = [ANSWER, ANSWER, "```python\ndef late(y):\n    return y\n```", ANSWER]
+    late = "```python\ndef late(y):\n    return y\n```\nThen ```python\ndef cut(z):\n    z"
+    texts = [ANSWER, ANSWER, late, ANSWER]
     samples = [
         Sample("a:1#0", [1], [0], "stop"),
         Sample("a:2#0", [1], [1], "stop"),  # the same stubs again: kept once
-        Sample("a:3#0", [1], [2], "length"),  # cut off
+        Sample("a:3#0", [1], [2], "length"),  # cut at the cap: its closed block still counts
         Sample("a:4#0:complete0#0", [1], [3], "stop"),  # a completion's own answer
     ]
     got = completion_prompts(TextTokenizer(), samples, count=10)
@@ -234,8 +239,10 @@ def test_completion_prompts_take_distinct_stubs_of_finished_answers() -> None:
         "a:1#0:complete0",
         "a:1#0:complete1",
         "a:1#0:complete2",
+        "a:3#0:complete0",
     ]
-    assert {c.turns[0] for c in got} == {COMPLETE.format(stub=s) for s in code_stubs(ANSWER)}
+    stubs = [*code_stubs(ANSWER), "def late(y):\n"]
+    assert {c.turns[0] for c in got} == {COMPLETE.format(stub=s) for s in stubs}
     two = completion_prompts(TextTokenizer(), samples, count=2, seed=3)
     assert len(two) == 2 and two == completion_prompts(TextTokenizer(), samples, count=2, seed=3)
 

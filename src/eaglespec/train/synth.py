@@ -243,10 +243,11 @@ def completion_prompts(
     tokenizer: Tokenizer, samples: Sequence[Sample], count: int, seed: int = 0
 ) -> list[Conversation]:
     """`count` code-completion prompts over a seeded choice of the distinct function stubs
-    (`code_stubs`) in answers that ended by themselves; the source names the answer."""
+    (`code_stubs`) in the target's own answers; the source names the answer. Answers cut at the
+    token cap count too: `code_stubs` reads only fenced blocks that closed, whole functions."""
     pool: dict[str, str] = {}  # stub -> source, first answer wins
     for s in samples:
-        if s.finish == "stop" and not _derived(s.key):
+        if not _derived(s.key):
             for i, stub in enumerate(code_stubs(tokenizer.decode(s.response))):
                 pool.setdefault(stub, f"{s.key}:complete{i}")
     stubs = sorted(pool)
@@ -255,11 +256,13 @@ def completion_prompts(
 
 
 def code_stubs(text: str) -> list[str]:
-    """The top-level Python functions of fenced code blocks in `text`, each cut after its
-    signature and, where one follows, its docstring: what is left is for the model to write.
-    Functions with an empty body left (the docstring was all there was) are skipped."""
+    """The top-level Python functions of the fenced code blocks of `text` that close (a block
+    still open at the end may stop mid-function), each cut after its signature and, where one
+    follows, its docstring: what is left is for the model to write. Functions with an empty body
+    left (the docstring was all there was) are skipped."""
     stubs = []
-    for block in text.split("```")[1::2]:
+    parts = text.split("```")
+    for block in parts[1 : len(parts) - 1 : 2]:  # inside a fence, with a closing fence after
         lines = block.split("\n")[1:]  # the fence's language tag
         for i, line in enumerate(lines):
             if not line.startswith("def "):
