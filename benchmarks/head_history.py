@@ -1,12 +1,13 @@
-"""The shipped head's acceptance against the training tokens it has seen, stage by stage: the plot
-in its model card (src/eaglespec/heads/smollm2-135m/acceptance.png).
+"""A shipped head's acceptance against the training tokens it has seen, stage by stage: the plot
+in its model card (HEAD/acceptance.png).
 
     python benchmarks/head_history.py [--head src/eaglespec/heads/smollm2-135m]
 
-Reads HEAD/stages.json (per stage: its train_report file, and the six-set acceptance measured by
-`eaglespec bench` for that stage, the commands in the model card) and each stage's report for
-its training response tokens and epochs; tokens seen = the sum over stages of response tokens x
-epochs. Writes HEAD/acceptance.png and prints the table.
+Reads HEAD/stages.json (per stage: its train_report file, and the acceptance measured by
+`eaglespec bench` for that stage, the commands in the model card; optionally "title" and
+"series", [key, label] pairs naming the acceptance keys to plot, else SmolLM2's six-set ones)
+and each stage's report for its training response tokens and epochs; tokens seen = the sum over
+stages of response tokens x epochs. Writes HEAD/acceptance.png and prints the table.
 """
 
 from __future__ import annotations
@@ -18,15 +19,22 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 HEAD = Path(__file__).resolve().parents[1] / "src" / "eaglespec" / "heads" / "smollm2-135m"
+SIX_SETS = (  # the SmolLM2 head's series, plotted where stages.json names none
+    ("fp32_chain4", "chain of 4, fp32"),
+    ("fp32_tree", "tree 4,4,16, fp32"),
+    ("default_chain2", "chain of 2, bf16 w4a8 (default)"),
+    ("default_tree", "tree 4,4,16, bf16 w4a8 (default)"),
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--head", type=Path, default=HEAD)
     args = ap.parse_args()
-    stages = json.loads((args.head / "stages.json").read_text())["stages"]
+    meta = json.loads((args.head / "stages.json").read_text())
+    stages = meta["stages"]
     seen, xs = 0, []
-    print("| stage | response tokens | epochs | tokens seen | six-set acceptance |")
+    print("| stage | response tokens | epochs | tokens seen | acceptance |")
     print("|---|---|---|---|---|")
     for s in stages:
         report = json.loads((args.head / s["report"]).read_text())
@@ -37,23 +45,19 @@ def main() -> None:
         print(f"| {s['name']} | {tokens:,} | {epochs} | {seen:,} | {s['acceptance']} |")
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.add_subplot()
-    series = (
-        ("fp32_chain4", "chain of 4, fp32", "o-"),
-        ("fp32_tree", "tree 4,4,16, fp32", "o-"),
-        ("default_chain2", "chain of 2, bf16 w4a8 (default)", "s--"),
-        ("default_tree", "tree 4,4,16, bf16 w4a8 (default)", "s--"),
-    )
-    for key, label, style in series:  # a stage not measured that way has no point
+    series = meta.get("series", SIX_SETS)
+    styles = ("o-", "o-", "s--", "s--", "^:", "^:")
+    for (key, label), style in zip(series, styles, strict=False):  # unmeasured: no point
         pts = [(x, s["acceptance"].get(key)) for x, s in zip(xs, stages, strict=True)]
         pts = [(x, y) for x, y in pts if y is not None]
         ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=label)
     for x, s in zip(xs, stages, strict=True):
-        y = s["acceptance"].get("fp32_chain4") or s["acceptance"].get("default_chain2")
+        y = next((s["acceptance"][k] for k, _ in series if s["acceptance"].get(k)), None)
         if y is not None:
             ax.annotate(s["name"], (x, y), fontsize=8, textcoords="offset points", xytext=(4, -12))
     ax.set_xlabel("training response tokens seen (millions, x epochs)")
-    ax.set_ylabel("tokens per target forward, six sets")
-    ax.set_title("SmolLM2-135M EAGLE-3 head: acceptance by stage")
+    ax.set_ylabel(meta.get("ylabel", "tokens per target forward, six sets"))
+    ax.set_title(meta.get("title", "SmolLM2-135M EAGLE-3 head: acceptance by stage"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
