@@ -395,6 +395,15 @@ def test_position_losses_against_hand_computed_values() -> None:
     position_loss(torch.log_softmax(logits, -1), p[:1], "lk").sum().backward()
     assert logits.grad is not None
     assert logits.grad[0, 0] < 0 < logits.grad[0, 2]  # descent raises q(0), lowers q(2)
+    # topk (HASS): ce plus the cross-entropy over the target's top-K again; with 3 tokens and
+    # K = 10 every token is in the top-K, so it is twice ce; over 12 tokens the 2 least likely
+    # count once.
+    torch.testing.assert_close(position_loss(q, p, "topk"), 2 * ce)
+    p12 = torch.arange(12, 0, -1, dtype=torch.float)[None] / 78  # (1, 12): 12/78 .. 1/78
+    q12 = torch.full((1, 12), 1 / 12)
+    want = -sum(p12[0, i].item() * math.log(1 / 12) * (2 if i < 10 else 1) for i in range(12))
+    got = position_loss(q12.log(), p12.log(), "topk")
+    torch.testing.assert_close(got, torch.tensor([want]))
     with pytest.raises(ValueError, match="loss must be one of"):
         position_loss(q, p, "kl2")
 

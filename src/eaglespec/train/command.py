@@ -14,6 +14,7 @@ from eaglespec.train.pipeline import LM_HEADS, STAGES, PipelineConfig, run
 from eaglespec.train.regen import RegenConfig
 from eaglespec.train.synth import STARTER_MIXES, SynthConfig
 from eaglespec.train.trainer import TrainConfig
+from eaglespec.train.ttt import LOSSES
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -175,10 +176,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps")
     g.add_argument(
         "--loss",
-        choices=("ce", "lk"),
+        choices=LOSSES,
         default="ce",
         help="ce: soft cross-entropy against the target (EAGLE's); lk: LK's negative log "
-        "acceptance, -log sum min(p, q) (train/ttt.py)",
+        "acceptance, -log sum min(p, q); topk: ce plus ce over the target's 10 most likely "
+        "tokens again (HASS) (train/ttt.py)",
     )
     g.add_argument(
         "--train-seconds",

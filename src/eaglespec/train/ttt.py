@@ -30,6 +30,10 @@ Losses at one position, p the target's distribution over the draft vocabulary, q
   alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), the probability that sampled verification accepts
   a draft drawn from q: the loss aims at acceptance itself, where a small head's KL optimum need
   not; its gradient is TV's scaled by 1 / alpha, so it does not vanish while alpha is small.
+- "topk": HASS's harmonized objective distillation (Zhang et al. 2024, arXiv 2408.15766), ce plus
+  the same sum again over the target's TOPK most likely tokens only, -sum_{x in top-K(p)} p(x)
+  log q(x) (K 10, weight 1, HASS's defaults): the head's capacity goes first to ranking the
+  tokens a draft tree or chain would actually propose.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def check_trainable(head: Eagle3Head) -> None:
         )
 
 
-LOSSES = ("ce", "lk")
+LOSSES = ("ce", "lk", "topk")
+TOPK = 10  # "topk": the target's most likely tokens whose cross-entropy counts twice (HASS's K)
 
 
 def ttt_forward(
@@ -141,6 +146,10 @@ def position_loss(logq: torch.Tensor, logp: torch.Tensor, loss: str) -> torch.Te
     if loss == "lk":
         alpha = torch.minimum(logq, logp).exp().sum(-1)  # (N,) sum_x min(p, q)
         return -alpha.clamp(min=1e-12).log()
+    if loss == "topk":
+        p = logp.exp()  # (N, Vd)
+        top = logp.topk(min(TOPK, logp.shape[-1]), dim=-1).indices  # (N, K)
+        return -(p * logq).sum(-1) - (p.gather(-1, top) * logq.gather(-1, top)).sum(-1)
     raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {loss!r}")
 
 
