@@ -215,10 +215,11 @@ def test_code_stubs_cut_functions_after_signature_and_docstring() -> None:
     ]
     assert code_stubs("no code at all") == []
     assert code_stubs('```python\ndef cut_off(x):\n    """never closed\n') == []
-    # a block still open where the answer stops may hold half a function: not read
-    assert code_stubs(
-        "```python\ndef whole(x):\n    return x\n```\n```python\ndef half(y):\n    y"
-    ) == ["def whole(x):\n"]
+    # a block still open where the answer stops: its functions that a top-level line follows
+    # ended, the last may be half written
+    cut = "```python\ndef whole(x):\n    return x\n```\n```python\ndef ends(z):\n    return z\n\n"
+    cut += "print(ends(1))\ndef half(y):\n    y"
+    assert code_stubs(cut) == ["def whole(x):\n", "def ends(z):\n"]
 
 
 def test_completion_prompts_take_distinct_stubs_of_the_targets_answers() -> None:

@@ -256,14 +256,17 @@ def completion_prompts(
 
 
 def code_stubs(text: str) -> list[str]:
-    """The top-level Python functions of the fenced code blocks of `text` that close (a block
-    still open at the end may stop mid-function), each cut after its signature and, where one
-    follows, its docstring: what is left is for the model to write. Functions with an empty body
-    left (the docstring was all there was) are skipped."""
+    """The top-level Python functions of the fenced code blocks of `text`, each cut after its
+    signature and, where one follows, its docstring: what is left is for the model to write.
+    Functions with an empty body left (the docstring was all there was) are skipped, and so are
+    those a block still open at the end of `text` (an answer cut at the token cap) may stop in:
+    there a function counts only where a top-level line follows it."""
     stubs = []
     parts = text.split("```")
-    for block in parts[1 : len(parts) - 1 : 2]:  # inside a fence, with a closing fence after
-        lines = block.split("\n")[1:]  # the fence's language tag
+    for b in range(1, len(parts), 2):  # inside a fence
+        lines = parts[b].split("\n")[1:]  # the fence's language tag
+        closed = b + 1 < len(parts)
+        tops = [j for j, line in enumerate(lines) if line.strip() and line[0] not in " \t"]
         for i, line in enumerate(lines):
             if not line.startswith("def "):
                 continue
@@ -284,6 +287,8 @@ def code_stubs(text: str) -> list[str]:
                 body = [j for j in body if j >= end]
             if not body or not lines[body[0]].startswith((" ", "\t")):
                 continue  # nothing of the body left to write
+            if not closed and not any(j > body[0] for j in tops):
+                continue  # the answer may stop inside this function
             stubs.append("\n".join(lines[i:end]) + "\n")
     return stubs
 
