@@ -141,16 +141,17 @@ def ttt_forward(
 
 def position_loss(logq: torch.Tensor, logp: torch.Tensor, loss: str) -> torch.Tensor:
     """(N, Vd) draft and target log-probs -> (N,) the loss at each position (module doc)."""
-    if loss == "ce":
-        return -(logp.exp() * logq).sum(-1)
     if loss == "lk":
         alpha = torch.minimum(logq, logp).exp().sum(-1)  # (N,) sum_x min(p, q)
         return -alpha.clamp(min=1e-12).log()
-    if loss == "topk":
-        p = logp.exp()  # (N, Vd)
-        top = logp.topk(min(TOPK, logp.shape[-1]), dim=-1).indices  # (N, K)
-        return -(p * logq).sum(-1) - (p.gather(-1, top) * logq.gather(-1, top)).sum(-1)
-    raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {loss!r}")
+    if loss not in ("ce", "topk"):
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {loss!r}")
+    p = logp.exp()  # (N, Vd)
+    ce = -(p * logq).sum(-1)  # (N,)
+    if loss == "ce":
+        return ce
+    top = logp.topk(min(TOPK, logp.shape[-1]), dim=-1).indices  # (N, K) the target's top-K
+    return ce - (p.gather(-1, top) * logq.gather(-1, top)).sum(-1)
 
 
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
