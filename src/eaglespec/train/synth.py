@@ -244,7 +244,8 @@ def completion_prompts(
 ) -> list[Conversation]:
     """`count` code-completion prompts over a seeded choice of the distinct function stubs
     (`code_stubs`) in the target's own answers; the source names the answer. Answers cut at the
-    token cap count too: `code_stubs` reads only fenced blocks that closed, whole functions."""
+    token cap count too: `code_stubs` reads only functions that ended (a fenced block that
+    closed, or a top-level line after them)."""
     pool: dict[str, str] = {}  # stub -> source, first answer wins
     for s in samples:
         if not _derived(s.key):
