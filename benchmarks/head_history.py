@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import cycle
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -47,7 +48,7 @@ def main() -> None:
     ax = fig.add_subplot()
     series = meta.get("series", SIX_SETS)
     styles = ("o-", "o-", "s--", "s--", "^:", "^:")
-    for (key, label), style in zip(series, styles, strict=False):  # unmeasured: no point
+    for (key, label), style in zip(series, cycle(styles)):  # a stage unmeasured: no point
         pts = [(x, s["acceptance"].get(key)) for x, s in zip(xs, stages, strict=True)]
         pts = [(x, y) for x, y in pts if y is not None]
         ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=label)
