@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eaglespec import sampling
 from eaglespec.config import SamplingParams
 from eaglespec.errors import InvalidRequestError
 from eaglespec.sampling import (
@@ -88,13 +89,19 @@ def test_draws_follow_the_distribution_and_never_a_zero() -> None:
         ({"temperature": 1.0, "min_p": 0.02}, lambda: [lp.MinPLogitsWarper(0.02)]),
     ],
 )
-def test_filters_over_a_large_vocabulary_match_transformers(kw, warpers) -> None:
-    """Past `CANDIDATES` tokens only a row's best candidates are sorted, unless its filters
-    reach past them (flat rows, a top-k above them): peaked and flat rows in one batch."""
+@pytest.mark.parametrize("tiers", [(1024,), (64, 1024), (64, 256, 1024)])
+def test_filters_over_a_large_vocabulary_match_transformers(
+    kw, warpers, tiers, monkeypatch
+) -> None:
+    """Past a tier of `CANDIDATES` tokens only a row's best candidates are sorted, unless its
+    filters reach past them (flat rows, a top-k above them) and it goes on to the next tier or
+    a whole sort: peaked and flat rows in one batch (scales 12 / 5 / 4 / 2.2: a nucleus of 0.99
+    ends within 64 / 256 / 1024 / 5000 of them, a min-p floor of 0.02 within 64 / 64 / 64 / 256)."""
+    monkeypatch.setattr(sampling, "CANDIDATES", tiers)
     V = 5000
     gen = torch.Generator().manual_seed(5)
     logits = (
-        torch.randn(6, V, generator=gen) * torch.tensor([12.0, 8.0, 0.5, 10.0, 0.2, 6.0])[:, None]
+        torch.randn(6, V, generator=gen) * torch.tensor([12.0, 5.0, 0.5, 4.0, 0.2, 2.2])[:, None]
     )
     st = SamplingTensors.from_params([SamplingParams(**kw)] * 6)  # type: ignore[arg-type]
     ours = probs_from_logits(logits, st)

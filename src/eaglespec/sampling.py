@@ -116,21 +116,29 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     return torch.where(greedy[:, None], one_hot, probs)
 
 
-CANDIDATES = 1024  # the top tokens the filters look at before sorting a whole row
+# The top tokens the filters look at before sorting more of a row: tier by tier, then the whole row
+CANDIDATES = (1024, 16384)
 
 
 def _filter(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Mask to -inf every token outside a row's top-k, top-p nucleus or min-p floor.
+    """Mask to -inf every token outside a row's top-k, top-p nucleus or min-p floor."""
+    return scaled.masked_fill(_filter_mask(scaled, st, CANDIDATES), -torch.inf)
+
+
+def _filter_mask(scaled: torch.Tensor, st: SamplingTensors, tiers: tuple[int, ...]) -> torch.Tensor:
+    """(B, V) logits -> (B, V) bool, True where the filters drop a token.
 
     The filters keep a prefix of a row sorted by probability. Usually it ends among the top
-    CANDIDATES tokens (a top-k within them, or a nucleus or min-p floor reached there), and only
+    tiers[0] tokens (a top-k within them, or a nucleus or min-p floor reached there), and only
     those are sorted: a full sort of 64 rows of a 49K vocabulary cost 136 ms a step on the 2-core
-    CPU, three times the forward. The rows where it does not are sorted whole."""
+    CPU, three times the forward. The rows where it does not go on to the next tier (a flat row
+    at a high temperature: the self-asked prompts' first tokens over Qwen's 152K vocabulary spent
+    a fifth of prompt writing in whole-row sorts), and past the last are sorted whole."""
     B, V = scaled.shape
     k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, V))  # (B,)
-    R = min(CANDIDATES, V)
+    R = min(tiers[0], V) if tiers else V
     if R == V:
-        return scaled.masked_fill(_sorted_mask(scaled, k, st), -torch.inf)
+        return _sorted_mask(scaled, k, st)
     top, order = scaled.topk(R, dim=-1)  # (B, R) descending
     small_k = k <= R  # (B,) the top-k's own softmax is within the candidates
     lse = torch.where(small_k, _top_k_lse(top, k), scaled.logsumexp(-1))  # (B,)
@@ -138,10 +146,10 @@ def _filter(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     mask = torch.ones_like(scaled, dtype=torch.bool).scatter_(1, order, drop)  # (B, V)
     nucleus = (st.top_p < 1) & (p.sum(-1) >= st.top_p)  # (B,) reached among the candidates
     ends = small_k | nucleus | (p[:, -1] < st.min_p * p[:, 0])  # (B,)
-    if not bool(ends.all()):  # sync: one per sampled step, to find rows that need a full sort
+    if not bool(ends.all()):  # sync: one per sampled step and tier, to find the rows that go on
         rows = (~ends).nonzero()[:, 0]  # sync
-        mask[rows] = _sorted_mask(scaled[rows], k[rows], st.select(rows))
-    return scaled.masked_fill(mask, -torch.inf)
+        mask[rows] = _filter_mask(scaled[rows], st.select(rows), tiers[1:])
+    return mask
 
 
 def _sorted_mask(scaled: torch.Tensor, k: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
