@@ -3,7 +3,8 @@
 M activation rows.
 
     python benchmarks/roofline.py [--shapes smollm2-135m] [--rows 1 2 3 4 8 16 32 64]
-                                  [--repeats 9] [--threads 2]
+                                  [--repeats 9] [--threads 2] [--amx on|off|both]
+                                  [--amx-min-rows N]
 
 Limits: a pass over a model's 4-bit decoder matrices (one copy per layer, as a decode step reads
 them: together they exceed the private caches) must at least stream its weight bytes at the
@@ -12,7 +13,10 @@ the binding limit is the larger of the two times, and "of limit" is that time ov
 one (1.0 would be the hardware's best). The 8-bit output head likewise, two copies used in turn.
 Bandwidth is measured over a buffer the size of the decoder's weights (what a decode step
 streams; on a VM with a large shared L3 that can be above DRAM's) and over 1 GiB (DRAM).
-Medians over --repeats after one warm-up round, all cases timed round-robin.
+Medians over --repeats after one warm-up round, all cases timed round-robin. Where the CPU has
+AMX, `--amx both` times every case with the kernels' AMX tiles on and off (the same bits), and
+`--amx-min-rows 1` sends every row count through them (the kernel's default starts at a
+measured crossover).
 """
 
 from __future__ import annotations
@@ -75,12 +79,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32, 64])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--amx", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--amx-min-rows", type=int, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     w4a8.require()
     reason = build("roofline", needs="a CPU with AVX-512 VNNI")
     if reason is not None:
         raise SystemExit(reason)
+    ops = torch.ops.eaglespec_w4a8
+    granted = ops.use_amx(True)  # whether this CPU and OS allow it
+    modes = {"on": [granted], "off": [False], "both": [True, False] if granted else [False]}
+    if args.amx_min_rows is not None:  # both kernels
+        ops.amx_min_rows(4, args.amx_min_rows)
+        ops.amx_min_rows(8, args.amx_min_rows)
     layers, shapes, head = SHAPES[args.shapes]
     decoder = [[random_w4a8(n, k) for n, k in shapes] for _ in range(layers)]
     heads = [random_w8a8(*head) for _ in range(HEAD_COPIES)]
@@ -92,16 +104,16 @@ def main() -> None:
     bw_model = bandwidth(dec_bytes, args.repeats)
     bw_dram = bandwidth(1 << 30, max(3, args.repeats // 3))
     peak = vnni_peak(args.repeats)
-    print(f"{args.shapes}, {args.threads} threads")
+    print(f"{args.shapes}, {args.threads} threads, AMX {'granted' if granted else 'absent'}")
     print(
         f"streaming bandwidth: {bw_model / 1e9:.1f} GB/s over {dec_bytes / 1e6:.0f} MB "
         f"(the decoder's weights), {bw_dram / 1e9:.1f} GB/s over 1 GiB"
     )
     print(f"VNNI peak: {peak / 1e9:.2f} G vpdpbusd/s = {peak * 64 / 1e9:.0f} G int8 MAC/s")
     print()
-    print("| kernel | rows M | ms | weight GB/s | G MAC/s | limit | limit ms | of limit |")
-    print("|---|---|---|---|---|---|---|---|")
-    cases = []  # (kernel, rows, fn, weight bytes, MACs a row, copies per call)
+    print("| kernel | rows M | AMX | ms | weight GB/s | G MAC/s | limit | limit ms | of limit |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    cases = []  # (kernel, rows, AMX, fn, weight bytes, MACs a row, copies per call)
     for m in args.rows:
         xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
         xh = torch.randn(m, head[1]).bfloat16()
@@ -116,23 +128,26 @@ def main() -> None:
             for lin in heads:
                 torch.ops.eaglespec_w4a8.linear8(xh, lin.weight, head[0])
 
-        cases.append(("4-bit decoder", m, run_decoder, dec_bytes, dec_macs, 1))
-        cases.append(("8-bit head", m, run_head, head_bytes, head_macs, HEAD_COPIES))
+        for amx in modes[args.amx]:
+            cases.append(("4-bit decoder", m, amx, run_decoder, dec_bytes, dec_macs, 1))
+            cases.append(("8-bit head", m, amx, run_head, head_bytes, head_macs, HEAD_COPIES))
     # every case round-robin, repeat by repeat, so the machine's drift falls on all alike
     samples: list[list[float]] = [[] for _ in cases]
     with torch.inference_mode():
         for rep in range(args.repeats + 1):
-            for i, (_, _, fn, *_rest) in enumerate(cases):
+            for i, (_, _, amx, fn, *_rest) in enumerate(cases):
+                ops.use_amx(amx)
                 start = time.perf_counter()
                 fn()
                 if rep:  # the first round warms up
                     samples[i].append(time.perf_counter() - start)
-    for (name, m, _, nbytes, macs, copies), times in zip(cases, samples, strict=True):
+    ops.use_amx(True)
+    for (name, m, amx, _, nbytes, macs, copies), times in zip(cases, samples, strict=True):
         t = statistics.median(times) / copies
         t_mem, t_mac = nbytes / bw_model, m * macs / 64 / peak
         limit, t_lim = ("memory", t_mem) if t_mem >= t_mac else ("VNNI", t_mac)
         print(
-            f"| {name} | {m} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
+            f"| {name} | {m} | {'on' if amx else 'off'} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
             f"{m * macs / t / 1e9:.0f} | {limit} | {t_lim * 1e3:.3f} | {t_lim / t:.2f} |"
         )
 

@@ -189,12 +189,14 @@ def test_each_row_is_computed_alone(kind: type[w4a8.W4A8Linear], dtype: torch.dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [576, 8960])
 def test_amx_tiles_give_the_vnni_bits(dtype: torch.dtype, k: int) -> None:
-    """Where the CPU has AMX, tiles of 16 rows take their dot products from it; every output
-    (4-bit, 8-bit, with the residual add) is bitwise the VNNI path's at every row count, N a
-    multiple of 16 or not, K of one L2 chunk per 16 rows or many."""
+    """Where the CPU has AMX, tiles of 16 rows take their dot products from it, and a forward
+    of fewer rows one tile of its own height (every height here: `amx_min_rows(bits, 1)`); every
+    output (4-bit, 8-bit, with the residual add) is bitwise the VNNI path's at every row count,
+    N a multiple of 16 or not, K of one L2 chunk per 16 rows or many."""
     ops = torch.ops.eaglespec_w4a8
     if not ops.use_amx(True):
         pytest.skip("no AMX here (or the OS does not grant its tile state)")
+    default = {bits: ops.amx_min_rows(bits, 1) for bits in (4, 8)}
     try:
         torch.manual_seed(4)
         x = torch.randn(max(ROW_COUNTS), k).to(dtype)
@@ -217,6 +219,8 @@ def test_amx_tiles_give_the_vnni_bits(dtype: torch.dtype, k: int) -> None:
                     assert torch.equal(a, b), (n, m)
     finally:
         ops.use_amx(True)
+        for bits, rows in default.items():
+            ops.amx_min_rows(bits, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

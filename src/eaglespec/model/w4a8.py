@@ -56,8 +56,14 @@ group and row is that epilogue and the tile store it reads. Measured (2026-11-27
 whose two cores reached 5.7 G vpdpbusd/s that hour; both paths interleaved in one process):
 Qwen2.5-1.5B's four decoder matrices 1.23-1.30x at 32-128 rows, a 16,384-row 8-bit head 1.4x;
 SmolLM2 plain greedy decoding of 32 rows 562 against 472 tok/s, of 64 rows 586 against 462
-(`python benchmarks/batched_decode.py --amx both`). `torch.ops.eaglespec_w4a8.use_amx(False)`
-turns it off (benchmarks and tests compare the two).
+(`python benchmarks/batched_decode.py --amx both`). A forward of 8 to 15 rows (a verification
+of a long chain or a tree) takes the 8-bit head's dot products from one tile of its own height:
+on SmolLM2's head 1.08x at 8 rows, 1.29x at 12, 1.35x at 15, and on Qwen2.5-1.5B's 0.98x at 8,
+1.39x at 12 (`python benchmarks/roofline.py --amx both --amx-min-rows 1`, 2026-11-27); below 8
+rows, and for the 4-bit decoder below 16 (0.58x at one row, 0.78x at 8: unpacking a block into
+a buffer and the tile's store and read-back cost more than the vpdpbusd they save), VNNI is
+faster. `torch.ops.eaglespec_w4a8.use_amx(False)` turns AMX off and `amx_min_rows(bits, rows)`
+moves the crossover (benchmarks and tests compare the paths: the bits are the same).
 
 Row independence: every (m, n) goes through the same instructions in the same order whatever M
 is, whatever its tile and however the output rows are split among threads, so row b of a forward

@@ -33,13 +33,15 @@
 //     acc = fma(float(dot), s * dx, acc); acc = fma(mn, xsum, acc)     per group, in order
 // (8-bit: no minimum), so a row of a batch is bitwise the row alone.
 //
-// Where the CPU has AMX (Intel Sapphire Rapids on) and the OS grants its tile state, full tiles
-// of 16 activation rows take the group's dot products from one tile multiply instead (TDPBSUD:
+// Where the CPU has AMX (Intel Sapphire Rapids on) and the OS grants its tile state, tiles of
+// 16 activation rows take the group's dot products from one tile multiply instead (TDPBSUD:
 // the 16 rows' 32 signed codes against the group's 8 steps, which are already AMX's B layout:
-// 16 columns of 4 bytes a row). Integer sums are exact, so its int32 dot products are the VNNI
-// path's, and the same float epilogue (`accumulate`) gives the same bits; the rows left over go
-// through VNNI. The tile multiply replaces 8 vpdpbusd and 8 broadcasts per row and group, so
-// the epilogue, inherent in a scale per group of 32, is what is left (measured in w4a8.py).
+// 16 columns of 4 bytes a row), and for 8-bit weights so does a forward of fewer rows, from
+// kAmxMinRows8 up (a verification's output head), in one tile of its M rows. Integer sums are exact, so its int32 dot products
+// are the VNNI path's, and the same float epilogue (`accumulate`) gives the same bits; the rows
+// a forward of more than 16 leaves over go through VNNI. The tile multiply replaces 8 vpdpbusd
+// and 8 broadcasts per row and group, so the epilogue, inherent in a scale per group of 32, is
+// what is left (measured in w4a8.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,6 +52,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <optional>
@@ -61,6 +64,15 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kRows = 16;  // output rows per weight block: one per int32 lane
 constexpr int kTile = 8;       // activation rows sharing each loaded group (accumulators in registers)
 constexpr int kAmxRows = 16;   // activation rows of an AMX tile multiply
+// The fewest rows of a forward that AMX takes in one tile (a forward of 16 or more always tiles
+// by 16). Measured on SmolLM2's shapes (benchmarks/roofline.py --amx both --amx-min-rows 1,
+// 2026-11-27): the 8-bit head 1.08x at 8 rows, 1.29x at 12, 1.35x at 15 faster through one
+// tile than through VNNI, 0.83-0.95x below 8 (Qwen2.5-1.5B's 151,936-row head: 0.98x at 8,
+// 1.39x at 12); the 4-bit decoder slower through a tile at every height below 16 (0.58x at one
+// row, 0.78x at 8, 0.94x at 12): the block's unpacking into a buffer and the tile store and
+// read-back cost more than its vpdpbusd.
+constexpr int kAmxMinRows8 = 8;
+constexpr int kAmxMinRows4 = 16;
 constexpr int64_t kTaskWeights = int64_t{1} << 18;  // a second thread pays from about here (measured)
 constexpr int64_t kChunkBytes = int64_t{1} << 18;   // activation codes a pass keeps in L2
 constexpr int64_t kPrefetch = 8192;  // bytes of weights prefetched ahead of the group at hand
@@ -98,6 +110,18 @@ bool amx_granted() {
 // (benchmarks and tests compare the two paths; the bits are the same).
 std::atomic<bool> amx_wanted{true};
 bool amx_on() { return amx_wanted.load(std::memory_order_relaxed) && amx_granted(); }
+// The fewest rows of a forward that go through AMX in one tile, 4-bit and 8-bit weights
+// (`amx_min_rows`: benchmarks find the crossover, tests cover every tile height).
+std::atomic<int> amx_min_rows4{kAmxMinRows4}, amx_min_rows8{kAmxMinRows8};
+
+// The activation rows of a forward's AMX tiles (0: VNNI only): 16, or all M rows in one tile.
+template <int Bits>
+int amx_tile_rows(int64_t M) {
+  if (!amx_on()) return 0;
+  if (M >= kAmxRows) return kAmxRows;
+  const std::atomic<int>& least = Bits == 4 ? amx_min_rows4 : amx_min_rows8;
+  return M >= least.load(std::memory_order_relaxed) ? static_cast<int>(M) : 0;
+}
 
 // 16 fp16 values -> fp32 lanes.
 W4A8_TARGET inline __m512 load_f16x16(const uint8_t* p) {
@@ -183,11 +207,12 @@ W4A8_TARGET inline __m512 accumulate(__m512 acc, __m512i dot, __m512 S, __m512 M
 }
 
 // A block's accumulators (one register of 16 outputs per activation row) rounded and stored.
+// (The first `count` of them where given: a partial AMX tile.)
 template <int MB, typename T>
 W4A8_TARGET inline void store_tile(const __m512 (&acc)[MB], T* y, const T* r, int64_t ldy,
-                                   int64_t valid) {
+                                   int64_t valid, int count = MB) {
   alignas(64) float out[kRows];
-  for (int m = 0; m < MB; ++m) {
+  for (int m = 0; m < count; ++m) {
     _mm512_store_ps(out, acc[m]);
     if (r != nullptr)
       for (int64_t i = 0; i < valid; ++i) store_add(y + m * ldy + i, out[i], r[m * ldy + i]);
@@ -254,16 +279,23 @@ W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r,
   store_tile<MB>(acc, y, r, ldy, valid);
 }
 
-// AMX's tile configuration, two sets for alternate groups: tiles 0 and 3 the int32 dot products
-// (16 activation rows x 16 output rows), 1 and 4 the activation codes (16 rows x 32 bytes), 2 and
-// 5 the group's weight steps (8 rows of 16 x 4 bytes). Loaded by each thread before its first
-// tile multiply.
+// AMX's tile configuration for tiles of R activation rows, two sets for alternate groups: tiles
+// 0 and 3 the int32 dot products (R activation rows x 16 output rows), 1 and 4 the activation
+// codes (R rows x 32 bytes), 2 and 5 the group's weight steps (8 rows of 16 x 4 bytes). Loaded
+// by each thread before its first tile multiply.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
   uint16_t colsb[16] = {4 * kRows, kGroup, 64, 4 * kRows, kGroup, 64};
-  uint8_t rows[16] = {kAmxRows, kAmxRows, kGroup / 4, kAmxRows, kAmxRows, kGroup / 4};
+  uint8_t rows[16] = {};
 };
+
+constexpr TileConfig tile_config(int R) {
+  TileConfig c;
+  const uint8_t r = static_cast<uint8_t>(R), b = kGroup / 4;
+  c.rows[0] = r, c.rows[1] = r, c.rows[2] = b, c.rows[3] = r, c.rows[4] = r, c.rows[5] = b;
+  return c;
+}
 
 // `bytes` of a thread's reused scratch `buf`, grown as needed, starting on a 64-byte line.
 inline uint8_t* aligned(std::vector<uint8_t>& buf, int64_t bytes) {
@@ -302,14 +334,16 @@ W4A8_TARGET inline void unpack_block(const uint8_t* blk, int64_t ng, uint8_t* ou
     _tile_stored(C, dots, 4 * kRows);                                       \
   } while (0)
 
-// One weight block against 16 activation rows through AMX: per group, one TDPBSUD (the rows'
-// signed codes against the weights' unsigned ones: vpdpbusd's operands) gives the int32 dot
-// products group_dot would, then `accumulate` as block_tile. Two sets of tiles alternate, so a
-// group's dot products are stored one group before they are read (a load right after its tile
-// store waits for it: measured a third of the kernel's time).
+// One weight block against a tile of R <= 16 activation rows through AMX (the tiles configured
+// for R rows): per group, one TDPBSUD (the rows' signed codes against the weights' unsigned
+// ones: vpdpbusd's operands) gives the int32 dot products group_dot would, then `accumulate` as
+// block_tile. Two sets of tiles alternate, so a group's dot products are stored one group before
+// they are read (a load right after its tile store waits for it: measured a third of the
+// kernel's time). The row loop is unrolled over 16 with the rows past R skipped, so acc[] stays
+// in registers whatever R.
 template <int Bits, typename T>
-W4A8_AMX_TARGET void block_amx(const uint8_t* blk, const BlockSteps& bs, const Rows& x, T* y,
-                               const T* r, int64_t ldy, int64_t valid) {
+W4A8_AMX_TARGET void block_amx(const uint8_t* blk, const BlockSteps& bs, const Rows& x, int R,
+                               T* y, const T* r, int64_t ldy, int64_t valid) {
   __m512 acc[kAmxRows];
 #pragma GCC unroll 16
   for (int m = 0; m < kAmxRows; ++m) acc[m] = _mm512_setzero_ps();
@@ -329,24 +363,26 @@ W4A8_AMX_TARGET void block_amx(const uint8_t* blk, const BlockSteps& bs, const R
     const __m512 MN = Bits == 4 ? load_f16x16(gp + code_bytes(Bits) + 32) : _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int m = 0; m < kAmxRows; ++m) {
+      if (m >= R) break;
       const int64_t o = m * x.ng + g;
       __m512i dot = _mm512_load_si512(d + m * kRows);
       if constexpr (Bits == 8) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(x.qbias[o]));
       acc[m] = accumulate<Bits>(acc[m], dot, S, MN, x, o);
     }
   }
-  store_tile<kAmxRows>(acc, y, r, ldy, valid);
+  store_tile<kAmxRows>(acc, y, r, ldy, valid, R);
 }
 #undef W4A8_TILE_DOTS
 
-// One weight block against `rows` activation rows (any number): with `amx`, tiles of kAmxRows
-// rows through AMX; then tiles of kTile rows, then one tile of the rest.
+// One weight block against `rows` activation rows (any number): with `amx` (the tiles' rows,
+// as configured; 0: none), tiles of that many rows through AMX; then tiles of kTile rows, then
+// one tile of the rest.
 template <int Bits, typename T>
 void block_rows(const uint8_t* blk, const Rows& x, int64_t rows, T* y, const T* r, int64_t ldy,
-                int64_t valid, bool amx) {
+                int64_t valid, int amx) {
   auto at = [&](int64_t m) { return r == nullptr ? nullptr : r + m * ldy; };
   int64_t m = 0;
-  if (amx && rows >= kAmxRows) {
+  if (amx > 0 && rows >= amx) {
     BlockSteps bs{blk, group_bytes(Bits)};  // 8 bits: the records are the steps
     if constexpr (Bits == 4) {
       thread_local std::vector<uint8_t> unpacked;
@@ -354,8 +390,8 @@ void block_rows(const uint8_t* blk, const Rows& x, int64_t rows, T* y, const T* 
       unpack_block(blk, x.ng, out);
       bs = {out, 512};
     }
-    for (; m + kAmxRows <= rows; m += kAmxRows)
-      block_amx<Bits>(blk, bs, x.at(m), y + m * ldy, at(m), ldy, valid);
+    for (; m + amx <= rows; m += amx)
+      block_amx<Bits>(blk, bs, x.at(m), amx, y + m * ldy, at(m), ldy, valid);
   }
   for (; m + kTile <= rows; m += kTile)
     block_tile<Bits, kTile>(blk, x.at(m), y + m * ldy, at(m), ldy, valid);
@@ -374,9 +410,14 @@ void block_rows(const uint8_t* blk, const Rows& x, int64_t rows, T* y, const T* 
   }
 }
 
-W4A8_AMX_TARGET void load_tiles() {
-  static const TileConfig config;
-  _tile_loadconfig(&config);
+// Tiles of R activation rows, for this thread.
+W4A8_AMX_TARGET void load_tiles(int R) {
+  static const auto configs = [] {
+    std::array<TileConfig, kAmxRows + 1> c{};
+    for (int R = 1; R <= kAmxRows; ++R) c[R] = tile_config(R);
+    return c;
+  }();
+  _tile_loadconfig(&configs[R]);
 }
 W4A8_AMX_TARGET void release_tiles() { _tile_release(); }
 
@@ -403,9 +444,9 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) 
   // long prefill); the weights stream once per chunk. Whole AMX tiles to a chunk.
   const int64_t chunk = std::max<int64_t>(kAmxRows, kChunkBytes / K / kAmxRows * kAmxRows);
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (kRows * K));  // blocks per task
-  const bool amx = M >= kAmxRows && amx_on();
+  const int amx = amx_tile_rows<Bits>(M);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    if (amx) load_tiles();  // each thread's own tile state
+    if (amx) load_tiles(amx);  // each thread's own tile state
     for (int64_t c = 0; c < M; c += chunk)
       for (int64_t b = b0; b < b1; ++b)
         block_rows<Bits>(wp + b * block_bytes, rows.at(c), std::min(chunk, M - c),
@@ -481,12 +522,21 @@ bool w4a8_use_amx(bool enable) {
   return amx_on();
 }
 
+// The fewest rows of a forward (1-16) that AMX takes in one tile from now on, for the kernel of
+// `bits` (4 or 8) bits; returns the last setting. A forward of 16 rows or more tiles by 16.
+int64_t w4a8_amx_min_rows(int64_t bits, int64_t rows) {
+  TORCH_CHECK(bits == 4 || bits == 8, "amx_min_rows: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(rows >= 1 && rows <= kAmxRows, "amx_min_rows: 1 to ", kAmxRows, ", got ", rows);
+  return (bits == 4 ? amx_min_rows4 : amx_min_rows8).exchange(static_cast<int>(rows));
+}
+
 TORCH_LIBRARY(eaglespec_w4a8, m) {
   m.def("linear(Tensor x, Tensor w, int N) -> Tensor");
   m.def("linear8(Tensor x, Tensor w, int N) -> Tensor");
   m.def("linear_add(Tensor x, Tensor w, int N, Tensor residual) -> Tensor");
   m.def("supported() -> bool");
   m.def("use_amx(bool enable) -> bool");
+  m.def("amx_min_rows(int bits, int rows) -> int");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_w4a8, CPU, m) {
@@ -498,4 +548,5 @@ TORCH_LIBRARY_IMPL(eaglespec_w4a8, CPU, m) {
 TORCH_LIBRARY_IMPL(eaglespec_w4a8, CompositeExplicitAutograd, m) {
   m.impl("supported", &w4a8_supported);
   m.impl("use_amx", &w4a8_use_amx);
+  m.impl("amx_min_rows", &w4a8_amx_min_rows);
 }
