@@ -4,7 +4,7 @@ EAGLE-3 draft step, on this machine.
     python benchmarks/verify_cost.py [--model smollm2-135m] [--dtype float32] [--prefix 128]
                                      [--sizes 1 2 4 8 16 32 64] [--repeats 15]
                                      [--quant none|int8|int4] [--compile none|block|full]
-                                     [--no-attention-kernel]
+                                     [--no-attention-kernel] [--head-amx-min-rows 8 16]
 
 Speculative decoding pays when verifying T tokens costs little more than decoding one: the speedup
 is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size runs the
@@ -18,6 +18,10 @@ verification adds.
 process, set before anything compiles: run once with and once without, each in its own process,
 to compare it with PyTorch's and inductor's attention (a switch flipped inside one process is
 re-guarded by dynamo and recompiled, so it does not compare anything).
+
+--head-amx-min-rows times every size once per setting of the 8-bit kernel's fewest rows for one
+AMX tile (csrc/w4a8.cpp; 16: only full tiles, the kernel before session 30), round-robin in one
+process: what the output head's partial tiles buy a verification, where the CPU has AMX.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def main() -> None:
     ap.add_argument("--quant", default="none")
     ap.add_argument("--compile", default="none")
     ap.add_argument("--no-attention-kernel", action="store_true")
+    ap.add_argument("--head-amx-min-rows", type=int, nargs="+", default=[])
     args = ap.parse_args()
     if args.no_attention_kernel:  # before any forward is traced: graphs keep what they saw
         cpu_attention.fits = lambda q, k: False
@@ -94,20 +99,33 @@ def main() -> None:
             steps[T] = (verify, draft_step)
         # sizes round-robin, repeat by repeat, so that the machine's drift (up to 1.5x over
         # minutes on the shared VMs) falls on every size alike; the first round warms up
-        samples: dict[tuple[int, int], list[float]] = {(T, i): [] for T in steps for i in (0, 1)}
+        ops = torch.ops.eaglespec_w4a8
+        settings: list[int | None] = list(args.head_amx_min_rows) or [None]
+        default = ops.amx_min_rows(8, 8)  # read the kernel's setting back
+        ops.amx_min_rows(8, default)
+        samples: dict[tuple[int | None, int, int], list[float]] = {
+            (a, T, i): [] for a in settings for T in steps for i in (0, 1)
+        }
         for rep in range(args.repeats + 1):
-            for T, fns in steps.items():
-                for i, fn in enumerate(fns):
-                    start = time.perf_counter()
-                    fn()
-                    if rep:
-                        samples[(T, i)].append(time.perf_counter() - start)
+            for a in settings:
+                ops.amx_min_rows(8, default if a is None else a)
+                for T, fns in steps.items():
+                    for i, fn in enumerate(fns):
+                        start = time.perf_counter()
+                        fn()
+                        if rep:
+                            samples[(a, T, i)].append(time.perf_counter() - start)
+        ops.amx_min_rows(8, default)
         ms = {key: statistics.median(v) * 1000 for key, v in samples.items()}
-        base = ms[(args.sizes[0], 0)]
-        print("| draft tokens T | target forward ms | x one token | draft head step ms |")
-        print("|---|---|---|---|")
-        for T in args.sizes:
-            print(f"| {T} | {ms[(T, 0)]:.1f} | {ms[(T, 0)] / base:.2f} | {ms[(T, 1)]:.2f} |")
+        for a in settings:
+            if a is not None:
+                print(f"\nthe 8-bit kernel's AMX tiles from {a} rows")
+            base = ms[(a, args.sizes[0], 0)]
+            print("| draft tokens T | target forward ms | x one token | draft head step ms |")
+            print("|---|---|---|---|")
+            for T in args.sizes:
+                f, d = ms[(a, T, 0)], ms[(a, T, 1)]
+                print(f"| {T} | {f:.1f} | {f / base:.2f} | {d:.2f} |")
 
 
 if __name__ == "__main__":
