@@ -37,9 +37,10 @@
 // 16 activation rows take the group's dot products from one tile multiply instead (TDPBSUD:
 // the 16 rows' 32 signed codes against the group's 8 steps, which are already AMX's B layout:
 // 16 columns of 4 bytes a row), and for 8-bit weights so does a forward of fewer rows, from
-// kAmxMinRows8 up (a verification's output head), in one tile of its M rows. Integer sums are exact, so its int32 dot products
-// are the VNNI path's, and the same float epilogue (`accumulate`) gives the same bits; the rows
-// a forward of more than 16 leaves over go through VNNI. The tile multiply replaces 8 vpdpbusd
+// kAmxMinRows8 up (a verification's output head), in one tile of its M rows. Integer sums are
+// exact, so its int32 dot products are the VNNI path's, and the same float epilogue
+// (`accumulate`) gives the same bits; the rows a forward of more than 16 leaves over go through
+// VNNI. The tile multiply replaces 8 vpdpbusd
 // and 8 broadcasts per row and group, so the epilogue, inherent in a scale per group of 32, is
 // what is left (measured in w4a8.py).
 
