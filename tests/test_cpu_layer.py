@@ -6,6 +6,7 @@ Skipped where the kernels cannot run."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -269,11 +270,12 @@ def test_a_prefill_leaves_the_bits_of_one_token_steps(dtype: torch.dtype) -> Non
 
 
 def _head_run(head, feats: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A head prefill over 6 tokens, two one-token steps and a 3-token masked level (as a tree
-    draft grows): every step's logits and next state, and the head cache at the end."""
+    """A head prefill over 6 tokens (logits at the last, as a proposer's catch-up asks), two
+    one-token steps and a 3-token masked level (as a tree draft grows): every step's logits and
+    next state, and the head cache at the end."""
     cache = head.new_cache(1, 32)
     ids = torch.arange(5, 11)[None]
-    out = head(ids, feats[:, :6], torch.arange(6)[None], cache)
+    out = head(ids, feats[:, :6], torch.arange(6)[None], cache, logit_index=torch.tensor([[5]]))
     outs = [out.logits, out.prenorm]
     cache.advance([6])
     state = out.prenorm[:, -1:]
@@ -295,24 +297,55 @@ def _head_run(head, feats: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_fused_head_layer_has_the_python_forwards_bits(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("op", ["head", "layer"])
+@pytest.mark.parametrize("variant", ["default", "norm_before_residual", "feed_normed"])
+def test_the_fused_head_has_the_python_forwards_bits(
+    dtype: torch.dtype, op: str, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An EAGLE-3 head quantized as the commands quantize it takes the fused op from its
-    attention input on (its first layer's input is [norm(embedding), norm(g)], 2C wide): the
-    same logits, next states and cache bits as its Python forward."""
+    """An EAGLE-3 head quantized as the commands quantize it takes the whole step in one op
+    (`head`), or, where that is refused, its layer from the attention input on (`forward_from`:
+    the first layer's input is [norm(embedding), norm(g)], 2C wide): either way the same logits,
+    next states and cache bits as its Python forward, with each config flag the op reads."""
     target = _target(dtype)
     head = quantize_model(random_eagle3(target, seed=2), "w4a8")
+    gen = torch.Generator().manual_seed(3)
+    for name, p in head.named_parameters():  # norms of ones would hide a swapped weight
+        if name.endswith("norm.weight"):
+            p.data = (1 + 0.5 * torch.randn(p.shape, generator=gen)).to(p.dtype)
+    if variant == "norm_before_residual":
+        head.midlayer.norm_before_residual = True
+    if variant == "feed_normed":
+        head.cfg = dataclasses.replace(head.cfg, feed_normed=True)
     taken = []
-    real = cpu_layer.forward_draft
-    monkeypatch.setattr(cpu_layer, "forward_draft", lambda *a: taken.append(1) or real(*a))
+    name = "forward_head" if op == "head" else "forward_draft"
+    real = getattr(cpu_layer, name)
+    monkeypatch.setattr(cpu_layer, name, lambda *a: taken.append(1) or real(*a))
+    if op == "layer":
+        monkeypatch.setattr(cpu_layer, "head_args", lambda *a: None)
     torch.manual_seed(6)
     feats = torch.randn(1, 6, 128).to(dtype)
     with torch.inference_mode():
         fused, fused_cache = _head_run(head, feats)
-        assert taken, "the fused head layer was not taken"
+        assert len(taken) == 4, f"the fused {op} op was taken {len(taken)} times, not 4"
+        monkeypatch.setattr(cpu_layer, "head_args", lambda *a: None)
         monkeypatch.setattr(cpu_layer, "draft_args", lambda *a: None)
         python, python_cache = _head_run(copy.deepcopy(head), feats)
     for a, b in zip(fused, python, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(fused_cache, python_cache)
+
+
+def test_the_fused_head_steps_aside_for_a_head_it_does_not_take() -> None:
+    """Two draft layers, or a dense lm_head: no `head` op (the Python body runs)."""
+    target = _target(torch.bfloat16)
+    head = quantize_model(random_eagle3(target, seed=2), "w4a8")
+    cache = head.new_cache(1, 8)
+    plan = cache.plan(1)
+    x = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
+    assert cpu_layer.head_args(head, x, cache.k_layers[0], plan) is not None
+    dense = copy.deepcopy(head)
+    dense.lm_head = torch.nn.Linear(128, dense.cfg.draft_vocab_size, bias=False)
+    assert cpu_layer.head_args(dense, x, cache.k_layers[0], plan) is None
+    deeper = copy.deepcopy(head)
+    deeper.extra_layers.append(copy.deepcopy(deeper.midlayer))
+    assert cpu_layer.head_args(deeper, x, cache.k_layers[0], plan) is None

@@ -280,9 +280,17 @@ class Eagle3Head(nn.Module):
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
         assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
         plan = cache.plan(T, attn_mask)
-        body = self.body
         if self.compiled_body is not None and T <= COMPILE_MAX_TOKENS and not plan.prefix_free:
             body = self.compiled_body
+        else:
+            fused = cpu_layer.head_args(self, hidden, cache.k_layers[0], plan)
+            if fused is not None:  # eager w4a8 on CPU: the whole step in one C++ call
+                logits, prenorm = cpu_layer.forward_head(
+                    fused, input_ids, hidden, positions, cache.k_layers[0], cache.v_layers[0],
+                    plan, logit_index,
+                )  # fmt: skip
+                return DraftOutput(logits=logits, prenorm=prenorm)
+            body = self.body
         logits, prenorm = body(
             input_ids, hidden, positions, cache.k_layers, cache.v_layers, plan, logit_index
         )

@@ -112,6 +112,13 @@ def _read(module: nn.Module, name: str, sources: Sources) -> Any:
     raise AttributeError(f"{type(module).__name__} has no '{name}'")
 
 
+def _absent(where: dict[str, object], name: str, sources: Sources) -> bool:
+    """Whether `where` has no `name`, recorded in `sources` (so that one added is noticed)."""
+    value = where.get(name, _MISSING)
+    sources.append((where, name, value))
+    return value is _MISSING
+
+
 def _cached(module: nn.Module, build: Callable[[Sources], LayerArgs]) -> LayerArgs:
     """The module's LayerArgs, read anew where anything they were read from changed."""
     kept: LayerArgs | None = module.__dict__.get("fused_args")
@@ -344,6 +351,105 @@ def draft_args(
         return None
     args = _draft_args(layer)
     return args if args.fused else None
+
+
+@dataclass(frozen=True, slots=True)
+class HeadArgs:
+    """What the `head` op takes from a one-layer EAGLE-3 head (draft/eagle3.py's Eagle3Head)
+    besides its inputs, cache and plan, read and checked as LayerArgs are."""
+
+    lead: tuple[object, ...]  # inv_freq, embedding, input/hidden/MLP norm weights, final norm
+    flags: tuple[object, ...]  # eps, norm_before_residual, feed_normed
+    layer: LayerArgs  # the MidLayer's (draft_args)
+    lm_head: tuple[object, ...]  # weight, bits, output size
+    fused: bool
+    sources: tuple[tuple[dict[str, object], str, object], ...]
+
+    def current(self) -> bool:
+        return _current(self.sources)
+
+
+def head_args(
+    head: nn.Module, hidden: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan
+) -> HeadArgs | None:
+    """The `head` op's arguments for a step of this EAGLE-3 head, or None where the op does not
+    take it: the forward's side as `step_fits`; the head of one layer, its MidLayer fused, its
+    norms of one eps, its lm_head w4a8's (4- or 8-bit, no bias) and its embedding dense."""
+    if not step_fits(hidden, k_cache, plan):
+        return None
+    kept: HeadArgs | None = head.__dict__.get("fused_head_args")
+    if kept is None or not kept.current():
+        kept = _head_build(head)
+        head.__dict__["fused_head_args"] = kept  # a plain attribute: read back without __getattr__
+    return kept if kept.fused else None
+
+
+def _head_build(head: nn.Module) -> HeadArgs:
+    sources: Sources = []
+    mid = _read(head, "midlayer", sources)
+    layer = _draft_args(mid)
+    sources += layer.sources
+    norms = [_read(mid, n, sources) for n in ("input_layernorm", "hidden_norm")]
+    final = _read(head, "norm", sources)
+    embed, lm_head = _read(head, "embed", sources), _read(head, "lm_head", sources)
+    bits = _BITS.get(type(lm_head).__name__, 0)
+    eps = {_read(n, "eps", sources) for n in [*norms, *([final] if final is not None else [])]}
+    fused = (
+        layer.fused
+        and _absent(_read(head, "extra_layers", sources)._modules, "0", sources)
+        and type(embed) is nn.Embedding
+        and _read(embed, "max_norm", sources) is None
+        and bits > 0
+        and _read(lm_head, "bias", sources) is None
+        and eps == {layer.norms[1]}
+    )
+    if not fused:
+        return HeadArgs((), (), layer, (), False, tuple(sources))
+    cfg = _read(head, "cfg", sources)
+    return HeadArgs(
+        lead=(
+            _read(head, "inv_freq", sources),
+            _read(embed, "weight", sources),
+            *(_read(n, "weight", sources) for n in norms),
+            layer.norms[0],
+            None if final is None else _read(final, "weight", sources),
+        ),
+        flags=(layer.norms[1], _read(mid, "norm_before_residual", sources), cfg.feed_normed),
+        layer=layer,
+        lm_head=(_read(lm_head, "weight", sources), bits, _read(lm_head, "out_features", sources)),
+        fused=True,
+        sources=tuple(sources),
+    )
+
+
+def forward_head(
+    args: HeadArgs,
+    ids: torch.Tensor,  # (B, T) int64 target-vocabulary ids
+    hidden: torch.Tensor,  # (B, T, C) fused target states or the previous step's state
+    positions: torch.Tensor,  # (B, T) int64
+    k_cache: torch.Tensor,  # (B, Hkv, S, D) the head cache's layer, written
+    v_cache: torch.Tensor,
+    plan: CachePlan,
+    logit_index: torch.Tensor | None,  # (B, T') or None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eagle3Head.body in one call -> (B, T', Vd) fp32 logits and the (B, T, C) next state."""
+    out: list[torch.Tensor] = torch.ops.eaglespec_layer.head(
+        ids,
+        hidden,
+        positions,
+        *args.lead,
+        *args.flags,
+        *args.layer.matrices,
+        k_cache,
+        v_cache,
+        plan.slots,
+        plan.num_keys,
+        plan.mask,
+        args.layer.num_heads,
+        logit_index,
+        *args.lm_head,
+    )
+    return out[0], out[1]
 
 
 def fits(block: Block, x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:

@@ -161,6 +161,61 @@ std::vector<at::Tensor> stack_forward(
   return out;
 }
 
+// cos and signed sin (B, T, 1, D) in `dtype` from positions (B, T) int64 and inv_freq (D/2,)
+// fp32: layers.rope_cos_sin's ATen ops in its order, so its bits.
+std::vector<at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq,
+                                     at::ScalarType dtype) {
+  const at::Tensor angles = positions.unsqueeze(-1).to(at::kFloat) * inv_freq;  // (B, T, D/2)
+  const at::Tensor sin = angles.sin(), cos = angles.cos();
+  const at::Tensor c = at::cat({cos, cos}, -1), s = at::cat({-sin, sin}, -1);  // (B, T, D)
+  return {c.unsqueeze(2).to(dtype), s.unsqueeze(2).to(dtype)};
+}
+
+// One step of a one-layer EAGLE-3 head (draft/eagle3.py's Eagle3Head.body, its MidLayer taken
+// by the fused layer op) in one call, its ops in body's order:
+//   rope from positions; e = embed[ids]; h = hidden_norm(g); residual = h or g;
+//   x = layer_from(residual, [input_norm(e), h]); x = norm(x) where feed_normed;
+//   y = x at logit_index (all rows without); y = norm(y) where not feed_normed and a norm;
+//   logits = lm_head(y) (4- or 8-bit, no bias) as fp32.
+// Returns the logits (B, T', Vd) and x (B, T, C), the state the next step is fed.
+std::vector<at::Tensor> head_forward(
+    const at::Tensor& ids, const at::Tensor& g, const at::Tensor& positions,
+    const at::Tensor& inv_freq, const at::Tensor& embed, const at::Tensor& input_norm,
+    const at::Tensor& hidden_norm, const at::Tensor& mlp_norm,
+    const std::optional<at::Tensor>& final_norm, double eps, bool norm_before_residual,
+    bool feed_normed, const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv, int64_t n_qkv,
+    const at::Tensor& wo, const std::optional<at::Tensor>& bo, const at::Tensor& w13,
+    const std::optional<at::Tensor>& b13, int64_t n_13, const at::Tensor& w2,
+    const std::optional<at::Tensor>& b2, at::Tensor k_cache, at::Tensor v_cache,
+    const at::Tensor& slots, int64_t num_keys, const std::optional<at::Tensor>& mask,
+    int64_t num_heads, const std::optional<at::Tensor>& logit_index, const at::Tensor& lm_head,
+    int64_t lm_bits, int64_t vocab) {
+  const Ops& o = ops();
+  const int64_t B = ids.size(0), T = ids.size(1), C = g.size(2);
+  TORCH_CHECK(g.dim() == 3 && g.size(0) == B && g.size(1) == T, "head: state ", g.sizes(),
+              " for ids ", ids.sizes());
+  TORCH_CHECK(lm_bits == 4 || lm_bits == 8, "head: a 4- or 8-bit lm_head, got ", lm_bits);
+  const std::vector<at::Tensor> rope = rope_cos_sin(positions, inv_freq, g.scalar_type());
+  const at::Tensor e = at::embedding(embed, ids);  // (B, T, C)
+  const at::Tensor h = o.rms_norm.call(g, hidden_norm, eps);
+  const at::Tensor attn_in = at::cat({o.rms_norm.call(e, input_norm, eps), h}, -1);  // (B, T, 2C)
+  at::Tensor x = layer_from(norm_before_residual ? h : g, attn_in, mlp_norm, eps, wqkv, bqkv,
+                            n_qkv, wo, bo, w13, b13, n_13, w2, b2, rope[0], rope[1], k_cache,
+                            v_cache, slots, num_keys, mask, num_heads);
+  if (feed_normed && final_norm.has_value()) x = o.rms_norm.call(x, *final_norm, eps);
+  at::Tensor y = x;
+  if (logit_index.has_value()) {
+    const at::Tensor rows = at::arange(B, logit_index->options()).unsqueeze(1);  // (B, 1)
+    y = x.index({rows, *logit_index});  // (B, T', C)
+  }
+  if (!feed_normed && final_norm.has_value()) y = o.rms_norm.call(y, *final_norm, eps);
+  const at::Tensor y2 = y.reshape({-1, C});
+  const at::Tensor z = lm_bits == 8 ? o.linear8.call(y2, lm_head, vocab)
+                                    : o.linear.call(y2, lm_head, vocab);
+  const at::Tensor logits = z.to(y.scalar_type()).view({y.size(0), y.size(1), vocab}).to(at::kFloat);
+  return {logits, x};
+}
+
 // Gemma 3's layer (llama.py's SandwichBlock with its Attention and GELU-tanh GatedMLP), each
 // matrix 4-bit (bits 4: linear) or 8-bit (bits 8: linear8) as w4a8-mixed stored it, no biases.
 // norms: attn, q, k, post-attention, mlp (pre-feedforward), post-mlp weights.
@@ -228,6 +283,13 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "Tensor wo, int bits_o, Tensor w13, int bits_13, int n_13, Tensor w2, int bits_2, "
       "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
       "int num_keys, Tensor? mask, int num_heads, float q_ratio) -> Tensor");
+  m.def(
+      "head(Tensor ids, Tensor g, Tensor positions, Tensor inv_freq, Tensor embed, "
+      "Tensor input_norm, Tensor hidden_norm, Tensor mlp_norm, Tensor? final_norm, float eps, "
+      "bool norm_before_residual, bool feed_normed, Tensor wqkv, Tensor? bqkv, int n_qkv, "
+      "Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, Tensor w2, Tensor? b2, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_keys, Tensor? mask, "
+      "int num_heads, Tensor? logit_index, Tensor lm_head, int lm_bits, int vocab) -> Tensor[]");
   m.def("supported() -> bool");
 }
 
@@ -236,6 +298,7 @@ TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
   m.impl("forward_from", &layer_from);
   m.impl("stack", &stack_forward);
   m.impl("sandwich", &sandwich_forward);
+  m.impl("head", &head_forward);
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CompositeExplicitAutograd, m) {
