@@ -89,15 +89,20 @@ def test_the_fused_layer_has_the_python_forwards_bits(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("op", ["decoder", "stack"])
 def test_the_stacked_layers_have_the_per_layer_bits(
-    dtype: torch.dtype, bias: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, bias: bool, op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """All layers in one `stack` call against one fused op per layer: the same logits, captured
-    states and cache bits, and the stack really ran."""
+    """All layers in one call against one fused op per layer: `decoder` (RoPE, the layers, the
+    final norm and the output matrix) or, where that is refused, `stack` (the layers): the same
+    logits, captured states and cache bits, and the op really ran."""
     model = _target(dtype, bias)
     calls: list[int] = []
-    real = cpu_layer.forward_stack
-    monkeypatch.setattr(cpu_layer, "forward_stack", lambda *a: calls.append(1) or real(*a))
+    name = "forward_decoder" if op == "decoder" else "forward_stack"
+    real = getattr(cpu_layer, name)
+    monkeypatch.setattr(cpu_layer, name, lambda *a: calls.append(1) or real(*a))
+    if op == "stack":
+        monkeypatch.setattr(cpu_layer, "logits_args", lambda *a: None)
     with torch.inference_mode():
         stacked, stacked_cache = _run(model)
         assert len(calls) == 5  # the prefill, two steps, the tree, the last step
@@ -107,6 +112,25 @@ def test_the_stacked_layers_have_the_per_layer_bits(
     for a, b in zip(stacked, per_layer, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(stacked_cache, per_layer_cache)
+
+
+def test_the_decoder_reads_an_output_matrix_replaced_after_a_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The `decoder` op's output-matrix arguments are kept on the model (cpu_layer.LogitsArgs):
+    a dense lm_head put in after a forward is noticed, and the forward then ends in Python."""
+    model = _target(torch.bfloat16)
+    calls: list[int] = []
+    real = cpu_layer.forward_decoder
+    monkeypatch.setattr(cpu_layer, "forward_decoder", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        _run(model)
+        assert len(calls) == 5
+        dense = torch.nn.Linear(128, V, bias=False).to(torch.bfloat16)
+        dense.weight.copy_(model.lm_head.dequantize())
+        model.lm_head = dense
+        _run(model)
+    assert len(calls) == 5
 
 
 def test_the_stack_reads_layers_replaced_after_a_forward(monkeypatch: pytest.MonkeyPatch) -> None:

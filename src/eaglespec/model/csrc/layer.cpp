@@ -171,6 +171,27 @@ std::vector<at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tens
   return {c.unsqueeze(2).to(dtype), s.unsqueeze(2).to(dtype)};
 }
 
+// fp32 logits (B, T', V) of x (B, T, C): the columns logit_index (B, T') picks (all without),
+// through the final norm where one is given, then the 4- or 8-bit output matrix (no bias) as a
+// _QuantLinear does it (rows in x's dtype, then fp32): llama.py's Transformer._logits and the
+// end of eagle3.py's Eagle3Head.body.
+at::Tensor logits_of(const at::Tensor& x, const std::optional<at::Tensor>& logit_index,
+                     const std::optional<at::Tensor>& norm, double eps, const at::Tensor& lm_head,
+                     int64_t lm_bits, int64_t vocab) {
+  TORCH_CHECK(lm_bits == 4 || lm_bits == 8, "logits: a 4- or 8-bit output matrix, got ", lm_bits);
+  const Ops& o = ops();
+  at::Tensor y = x;
+  if (logit_index.has_value()) {
+    const at::Tensor rows = at::arange(x.size(0), logit_index->options()).unsqueeze(1);  // (B, 1)
+    y = x.index({rows, *logit_index});  // (B, T', C)
+  }
+  if (norm.has_value()) y = o.rms_norm.call(y, *norm, eps);
+  const at::Tensor y2 = y.reshape({-1, y.size(2)});
+  const at::Tensor z =
+      lm_bits == 8 ? o.linear8.call(y2, lm_head, vocab) : o.linear.call(y2, lm_head, vocab);
+  return z.to(y.scalar_type()).view({y.size(0), y.size(1), vocab}).to(at::kFloat);
+}
+
 // One step of a one-layer EAGLE-3 head (draft/eagle3.py's Eagle3Head.body, its MidLayer taken
 // by the fused layer op) in one call, its ops in body's order:
 //   rope from positions; e = embed[ids]; h = hidden_norm(g); residual = h or g;
@@ -191,10 +212,9 @@ std::vector<at::Tensor> head_forward(
     int64_t num_heads, const std::optional<at::Tensor>& logit_index, const at::Tensor& lm_head,
     int64_t lm_bits, int64_t vocab) {
   const Ops& o = ops();
-  const int64_t B = ids.size(0), T = ids.size(1), C = g.size(2);
+  const int64_t B = ids.size(0), T = ids.size(1);
   TORCH_CHECK(g.dim() == 3 && g.size(0) == B && g.size(1) == T, "head: state ", g.sizes(),
               " for ids ", ids.sizes());
-  TORCH_CHECK(lm_bits == 4 || lm_bits == 8, "head: a 4- or 8-bit lm_head, got ", lm_bits);
   const std::vector<at::Tensor> rope = rope_cos_sin(positions, inv_freq, g.scalar_type());
   const at::Tensor e = at::embedding(embed, ids);  // (B, T, C)
   const at::Tensor h = o.rms_norm.call(g, hidden_norm, eps);
@@ -203,17 +223,31 @@ std::vector<at::Tensor> head_forward(
                             n_qkv, wo, bo, w13, b13, n_13, w2, b2, rope[0], rope[1], k_cache,
                             v_cache, slots, num_keys, mask, num_heads);
   if (feed_normed && final_norm.has_value()) x = o.rms_norm.call(x, *final_norm, eps);
-  at::Tensor y = x;
-  if (logit_index.has_value()) {
-    const at::Tensor rows = at::arange(B, logit_index->options()).unsqueeze(1);  // (B, 1)
-    y = x.index({rows, *logit_index});  // (B, T', C)
-  }
-  if (!feed_normed && final_norm.has_value()) y = o.rms_norm.call(y, *final_norm, eps);
-  const at::Tensor y2 = y.reshape({-1, C});
-  const at::Tensor z = lm_bits == 8 ? o.linear8.call(y2, lm_head, vocab)
-                                    : o.linear.call(y2, lm_head, vocab);
-  const at::Tensor logits = z.to(y.scalar_type()).view({y.size(0), y.size(1), vocab}).to(at::kFloat);
-  return {logits, x};
+  const std::optional<at::Tensor> norm = feed_normed ? std::nullopt : final_norm;
+  return {logits_of(x, logit_index, norm, eps, lm_head, lm_bits, vocab), x};
+}
+
+// A whole forward of a decoder that `stack` takes from its embedded input x (B, T, C) on
+// (llama.py's Transformer.body on that path): RoPE from positions and inv_freq, stack_forward,
+// then logits_of with the final norm. Returns the fp32 logits (B, T', V), then the captured
+// states in capture's order.
+std::vector<at::Tensor> decoder_forward(
+    const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
+    at::TensorList attn_norms, at::TensorList mlp_norms, double eps,
+    at::TensorList wqkv, const c10::List<std::optional<at::Tensor>>& bqkv, int64_t n_qkv,
+    at::TensorList wo, const c10::List<std::optional<at::Tensor>>& bo, at::TensorList w13,
+    const c10::List<std::optional<at::Tensor>>& b13, int64_t n_13, at::TensorList w2,
+    const c10::List<std::optional<at::Tensor>>& b2, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& slots, int64_t num_keys,
+    const std::optional<at::Tensor>& mask, int64_t num_heads, at::IntArrayRef capture,
+    const at::Tensor& norm, const std::optional<at::Tensor>& logit_index,
+    const at::Tensor& lm_head, int64_t lm_bits, int64_t vocab) {
+  const std::vector<at::Tensor> rope = rope_cos_sin(positions, inv_freq, x.scalar_type());
+  std::vector<at::Tensor> out = stack_forward(
+      x, attn_norms, mlp_norms, eps, wqkv, bqkv, n_qkv, wo, bo, w13, b13,
+      n_13, w2, b2, rope[0], rope[1], k_caches, v_caches, slots, num_keys, mask, num_heads, capture);
+  out[0] = logits_of(out[0], logit_index, norm, eps, lm_head, lm_bits, vocab);
+  return out;
 }
 
 // Gemma 3's layer (llama.py's SandwichBlock with its Attention and GELU-tanh GatedMLP), each
@@ -290,6 +324,13 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, Tensor w2, Tensor? b2, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_keys, Tensor? mask, "
       "int num_heads, Tensor? logit_index, Tensor lm_head, int lm_bits, int vocab) -> Tensor[]");
+  m.def(
+      "decoder(Tensor x, Tensor positions, Tensor inv_freq, Tensor[] attn_norms, "
+      "Tensor[] mlp_norms, float eps, Tensor[] wqkv, Tensor?[] bqkv, int n_qkv, Tensor[] wo, "
+      "Tensor?[] bo, Tensor[] w13, Tensor?[] b13, int n_13, Tensor[] w2, Tensor?[] b2, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, int num_keys, Tensor? mask, "
+      "int num_heads, int[] capture, Tensor norm, Tensor? logit_index, Tensor lm_head, "
+      "int lm_bits, int vocab) -> Tensor[]");
   m.def("supported() -> bool");
 }
 
@@ -299,6 +340,7 @@ TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
   m.impl("stack", &stack_forward);
   m.impl("sandwich", &sandwich_forward);
   m.impl("head", &head_forward);
+  m.impl("decoder", &decoder_forward);
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CompositeExplicitAutograd, m) {
