@@ -76,7 +76,7 @@ def main() -> None:
     prompt = plain_llm.encode(args.prompt)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     target = Timed(type(plain_llm.model), "forward", lambda self, ids, *a: ids.shape[1])
-    draft = Timed(Eagle3Head, "forward", lambda self, *a: "head")
+    draft = Timed(Eagle3Head, "_step", lambda self, *a: "head")  # forward and feed
     rounds = Timed(BatchRunner, "round", lambda self, *a: "round")
     rows: dict[str, list[dict[str, float]]] = defaultdict(list)
     for rep in range(args.repeats + 1):  # the first is a warm-up

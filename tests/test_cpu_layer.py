@@ -294,12 +294,14 @@ def test_a_prefill_leaves_the_bits_of_one_token_steps(dtype: torch.dtype) -> Non
 
 
 def _head_run(head, feats: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A head prefill over 6 tokens (logits at the last, as a proposer's catch-up asks), two
-    one-token steps and a 3-token masked level (as a tree draft grows): every step's logits and
-    next state, and the head cache at the end."""
+    """A head prefill over 6 tokens fed three target states each (`feed`: fc, then the step;
+    logits at the last, as a proposer's catch-up asks), two one-token steps and a 3-token masked
+    level (as a tree draft grows): every step's logits and next state, and the head cache at the
+    end. feats (1, 6, 3 C): the three states side by side."""
     cache = head.new_cache(1, 32)
     ids = torch.arange(5, 11)[None]
-    out = head(ids, feats[:, :6], torch.arange(6)[None], cache, logit_index=torch.tensor([[5]]))
+    aux = list(feats.chunk(3, dim=-1))
+    out = head.feed(ids, aux, torch.arange(6)[None], cache, logit_index=torch.tensor([[5]]))
     outs = [out.logits, out.prenorm]
     cache.advance([6])
     state = out.prenorm[:, -1:]
@@ -347,7 +349,7 @@ def test_the_fused_head_has_the_python_forwards_bits(
     if op == "layer":
         monkeypatch.setattr(cpu_layer, "head_args", lambda *a: None)
     torch.manual_seed(6)
-    feats = torch.randn(1, 6, 128).to(dtype)
+    feats = torch.randn(1, 6, 3 * 128).to(dtype)
     with torch.inference_mode():
         fused, fused_cache = _head_run(head, feats)
         assert len(taken) == 4, f"the fused {op} op was taken {len(taken)} times, not 4"

@@ -394,8 +394,9 @@ def speculate_round(
         drafts = proposer.propose(batch.draft, k) if k else roots.new_empty(len(roots), 0)
         drafted = chain_tree(roots, drafts)
     own_nodes = drafted.tokens.shape[1]  # nodes past these are grafted (prompt lookup's)
-    if isinstance(proposer, GraftingProposer):
-        drafted = proposer.graft(batch.draft, drafted, room)
+    graft = getattr(proposer, "graft", None)  # GraftingProposer's (its isinstance: ~20 us)
+    if graft is not None:
+        drafted = graft(batch.draft, drafted, room)
     clock.mark()
     prefix = torch.tensor(batch.cache.lengths, device=batch.roots.device)
     out: ForwardOutput = target(

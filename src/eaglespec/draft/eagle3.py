@@ -9,6 +9,8 @@ Two entry points, and the caller decides which hidden goes in (never inferred fr
   combine(aux)   target states at the capture boundaries, A x (B, T, Ct) -> g (B, T, C): fc
   forward(...)   token ids + hidden (B, T, C): g from `combine`, or the head's own previous
                  `prenorm` output (no fc) -> DraftOutput(logits over Vd, prenorm)
+  feed(...)      token ids + target states: forward over combine(aux), fc in the same fused
+                 C++ call where the eager CPU step takes the head (prefills and catch-ups)
 
 Token/feature alignment (spec section 1.7) is the caller's job: draft position p takes the pair
 (token x_{p+1}, feature g_p) at RoPE position p, and its logits there predict x_{p+2}.
@@ -244,13 +246,7 @@ class Eagle3Head(nn.Module):
         (input_norm over the concatenation, then fc_norm per state, as vLLM orders them), then fc.
         Only target states go through here; the head's own outputs never meet fc."""
         Ct = self.cfg.target_hidden_size
-        assert len(aux) == self.num_aux, (
-            f"{len(aux)} captured states, the head takes {self.num_aux}"
-        )
-        for a in aux:
-            assert a.shape[-1] == Ct and a.dtype == self.dtype, (
-                f"captured state {tuple(a.shape)} {a.dtype}, expected (..., {Ct}) {self.dtype}"
-            )
+        self.check_states(aux)
         if self.fc is None:
             return aux[0]  # use_aux_hidden_state false: the last layer's state, as is
         x = torch.cat(list(aux), dim=-1)  # (B, T, A*Ct): low -> high
@@ -273,28 +269,71 @@ class Eagle3Head(nn.Module):
     ) -> DraftOutput:
         """Writes T new K/V entries per draft layer after each row's committed length; the caller
         commits them. Returns fp32 draft-vocab logits and the state for the next step."""
+        return self._step(input_ids, [hidden], False, positions, cache, attn_mask, logit_index)
+
+    def feed(
+        self,
+        input_ids: torch.Tensor,  # (B, T) int64 TARGET-vocab ids
+        aux: Sequence[torch.Tensor],  # A x (B, T, Ct) target states, as `combine` takes them
+        positions: torch.Tensor,  # (B, T) int64 RoPE positions
+        cache: KVCache,
+        logit_index: torch.Tensor | None = None,  # (B, T') columns of T to project; None = all
+    ) -> DraftOutput:
+        """`forward(input_ids, combine(aux), ...)`: the prefill and catch-up form. Where the
+        fused step takes the head (eager w4a8 on CPU), fc runs in the same C++ call."""
+        return self._step(input_ids, list(aux), True, positions, cache, None, logit_index)
+
+    def _step(
+        self,
+        input_ids: torch.Tensor,  # (B, T) int64
+        states: list[torch.Tensor],  # target states with `combine`, else [hidden (B, T, C)]
+        combine: bool,
+        positions: torch.Tensor,  # (B, T) int64
+        cache: KVCache,
+        attn_mask: torch.Tensor | None,
+        logit_index: torch.Tensor | None,
+    ) -> DraftOutput:
         B, T = input_ids.shape
-        C = self.cfg.hidden_size
-        assert hidden.shape == (B, T, C), f"hidden {tuple(hidden.shape)} != {(B, T, C)}"
-        assert hidden.dtype == self.dtype, f"hidden is {hidden.dtype}, the head {self.dtype}"
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
         assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
         plan = cache.plan(T, attn_mask)
-        if self.compiled_body is not None and T <= COMPILE_MAX_TOKENS and not plan.prefix_free:
-            body = self.compiled_body
-        else:
-            fused = cpu_layer.head_args(self, hidden, cache.k_layers[0], plan)
-            if fused is not None:  # eager w4a8 on CPU: the whole step in one C++ call
+        compiled = (
+            self.compiled_body is not None and T <= COMPILE_MAX_TOKENS and not plan.prefix_free
+        )
+        if not compiled:
+            fused = cpu_layer.head_args(self, states[0], cache.k_layers[0], plan)
+            if fused is not None and (fused.fc or not combine):  # the whole step in one C++ call
+                if combine:
+                    self.check_states(states)
+                else:
+                    self.check_hidden(states[0], B, T)
                 logits, prenorm = cpu_layer.forward_head(
-                    fused, input_ids, hidden, positions, cache.k_layers[0], cache.v_layers[0],
-                    plan, logit_index,
+                    fused, input_ids, states, combine, positions, cache.k_layers[0],
+                    cache.v_layers[0], plan, logit_index,
                 )  # fmt: skip
                 return DraftOutput(logits=logits, prenorm=prenorm)
-            body = self.body
+        hidden = self.combine(states) if combine else states[0]
+        self.check_hidden(hidden, B, T)
+        body = self.compiled_body if compiled else self.body
         logits, prenorm = body(
             input_ids, hidden, positions, cache.k_layers, cache.v_layers, plan, logit_index
         )
         return DraftOutput(logits=logits, prenorm=prenorm)
+
+    def check_hidden(self, hidden: torch.Tensor, B: int, T: int) -> None:
+        C = self.cfg.hidden_size
+        assert hidden.shape == (B, T, C), f"hidden {tuple(hidden.shape)} != {(B, T, C)}"
+        assert hidden.dtype == self.dtype, f"hidden is {hidden.dtype}, the head {self.dtype}"
+
+    def check_states(self, aux: Sequence[torch.Tensor]) -> None:
+        Ct = self.cfg.target_hidden_size
+        assert len(aux) == self.num_aux, (
+            f"{len(aux)} captured states, the head takes {self.num_aux}"
+        )
+        for a in aux:
+            assert a.shape[-1] == Ct and a.dtype == self.dtype, (
+                f"captured state {tuple(a.shape)} {a.dtype}, expected (..., {Ct}) {self.dtype}"
+            )
 
     def body(
         self,

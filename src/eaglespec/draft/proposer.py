@@ -137,9 +137,7 @@ class Eagle3Proposer:
         start = torch.tensor(cache.lengths, device=dev)[:, None]  # (B, 1)
         positions = start + torch.arange(T, device=dev)  # (B, T)
         last = torch.tensor(counts, device=dev)[:, None] - 1  # (B, 1)
-        out: DraftOutput = self.head(
-            tokens, self.head.combine(aux), positions, cache, logit_index=last
-        )
+        out: DraftOutput = self.head.feed(tokens, aux, positions, cache, logit_index=last)
         cache.advance(counts)
         rows = torch.arange(B, device=dev)
         return DraftState(cache, out.logits[:, 0], out.prenorm[rows, last[:, 0]])

@@ -448,6 +448,9 @@ class HeadArgs:
     flags: tuple[object, ...]  # eps, norm_before_residual, feed_normed
     layer: LayerArgs  # the MidLayer's (draft_args)
     lm_head: tuple[object, ...]  # weight, bits, output size
+    # combine in the op: (fc weight, bits) for an fc without norms or bias, (None, 0) for a head
+    # without fc; () where combine runs in Python first
+    fc: tuple[object, ...]
     fused: bool
     sources: tuple[tuple[dict[str, object], str, object], ...]
 
@@ -490,8 +493,21 @@ def _head_build(head: nn.Module) -> HeadArgs:
         and eps == {layer.norms[1]}
     )
     if not fused:
-        return HeadArgs((), (), layer, (), False, tuple(sources))
+        return HeadArgs((), (), layer, (), (), False, tuple(sources))
     cfg = _read(head, "cfg", sources)
+    fc = _read(head, "fc", sources)
+    fc_bits = _BITS.get(type(fc).__name__, 0)
+    # combine in the op: fc without norms or bias, or no fc (the one state as is); else ()
+    takes_fc: tuple[object, ...] = ()
+    if fc is None:
+        takes_fc = (None, 0)
+    elif (
+        fc_bits > 0
+        and _read(fc, "bias", sources) is None
+        and _read(head, "input_norm", sources) is None
+        and _read(head, "fc_norm", sources) is None
+    ):
+        takes_fc = (_read(fc, "weight", sources), fc_bits)
     return HeadArgs(
         lead=(
             _read(head, "inv_freq", sources),
@@ -503,6 +519,7 @@ def _head_build(head: nn.Module) -> HeadArgs:
         flags=(layer.norms[1], _read(mid, "norm_before_residual", sources), cfg.feed_normed),
         layer=layer,
         lm_head=(_read(lm_head, "weight", sources), bits, _read(lm_head, "out_features", sources)),
+        fc=takes_fc,
         fused=True,
         sources=tuple(sources),
     )
@@ -511,17 +528,22 @@ def _head_build(head: nn.Module) -> HeadArgs:
 def forward_head(
     args: HeadArgs,
     ids: torch.Tensor,  # (B, T) int64 target-vocabulary ids
-    hidden: torch.Tensor,  # (B, T, C) fused target states or the previous step's state
+    states: list[torch.Tensor],  # A x (B, T, Ct) target states with `combine`, else [(B, T, C)]
+    combine: bool,  # states are target states for fc (only where args.fc)
     positions: torch.Tensor,  # (B, T) int64
     k_cache: torch.Tensor,  # (B, Hkv, S, D) the head cache's layer, written
     v_cache: torch.Tensor,
     plan: CachePlan,
     logit_index: torch.Tensor | None,  # (B, T') or None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eagle3Head.body in one call -> (B, T', Vd) fp32 logits and the (B, T, C) next state."""
+    """Eagle3Head.body (after Eagle3Head.combine with `combine`) in one call -> (B, T', Vd) fp32
+    logits and the (B, T, C) next state."""
+    fc, fc_bits = args.fc if combine else (None, 0)
     out: list[torch.Tensor] = torch.ops.eaglespec_layer.head(
         ids,
-        hidden,
+        states,
+        fc,
+        fc_bits,
         positions,
         *args.lead,
         *args.flags,

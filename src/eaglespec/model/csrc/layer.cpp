@@ -194,13 +194,15 @@ at::Tensor logits_of(const at::Tensor& x, const std::optional<at::Tensor>& logit
 
 // One step of a one-layer EAGLE-3 head (draft/eagle3.py's Eagle3Head.body, its MidLayer taken
 // by the fused layer op) in one call, its ops in body's order:
+//   g = fc(cat(states)) with fc (Eagle3Head.combine without its optional norms), else states[0];
 //   rope from positions; e = embed[ids]; h = hidden_norm(g); residual = h or g;
 //   x = layer_from(residual, [input_norm(e), h]); x = norm(x) where feed_normed;
 //   y = x at logit_index (all rows without); y = norm(y) where not feed_normed and a norm;
 //   logits = lm_head(y) (4- or 8-bit, no bias) as fp32.
 // Returns the logits (B, T', Vd) and x (B, T, C), the state the next step is fed.
 std::vector<at::Tensor> head_forward(
-    const at::Tensor& ids, const at::Tensor& g, const at::Tensor& positions,
+    const at::Tensor& ids, at::TensorList states, const std::optional<at::Tensor>& fc,
+    int64_t fc_bits, const at::Tensor& positions,
     const at::Tensor& inv_freq, const at::Tensor& embed, const at::Tensor& input_norm,
     const at::Tensor& hidden_norm, const at::Tensor& mlp_norm,
     const std::optional<at::Tensor>& final_norm, double eps, bool norm_before_residual,
@@ -212,9 +214,20 @@ std::vector<at::Tensor> head_forward(
     int64_t num_heads, const std::optional<at::Tensor>& logit_index, const at::Tensor& lm_head,
     int64_t lm_bits, int64_t vocab) {
   const Ops& o = ops();
-  const int64_t B = ids.size(0), T = ids.size(1);
-  TORCH_CHECK(g.dim() == 3 && g.size(0) == B && g.size(1) == T, "head: state ", g.sizes(),
-              " for ids ", ids.sizes());
+  const int64_t B = ids.size(0), T = ids.size(1), C = hidden_norm.size(0);
+  at::Tensor g;
+  if (fc.has_value()) {  // eagle3.py's combine: fc over the states concatenated, low -> high
+    TORCH_CHECK(fc_bits == 4 || fc_bits == 8, "head: a 4- or 8-bit fc, got ", fc_bits);
+    const at::Tensor cat = at::cat(states, -1);
+    const at::Tensor x2 = cat.reshape({-1, cat.size(-1)});
+    const at::Tensor y = fc_bits == 8 ? o.linear8.call(x2, *fc, C) : o.linear.call(x2, *fc, C);
+    g = y.to(cat.scalar_type()).view({B, T, C});
+  } else {
+    TORCH_CHECK(states.size() == 1, "head: one state without fc, got ", states.size());
+    g = states[0];
+  }
+  TORCH_CHECK(g.dim() == 3 && g.size(0) == B && g.size(1) == T && g.size(2) == C, "head: state ",
+              g.sizes(), " for ids ", ids.sizes(), " and width ", C);
   const std::vector<at::Tensor> rope = rope_cos_sin(positions, inv_freq, g.scalar_type());
   const at::Tensor e = at::embedding(embed, ids);  // (B, T, C)
   const at::Tensor h = o.rms_norm.call(g, hidden_norm, eps);
@@ -318,7 +331,7 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
       "int num_keys, Tensor? mask, int num_heads, float q_ratio) -> Tensor");
   m.def(
-      "head(Tensor ids, Tensor g, Tensor positions, Tensor inv_freq, Tensor embed, "
+      "head(Tensor ids, Tensor[] states, Tensor? fc, int fc_bits, Tensor positions, Tensor inv_freq, Tensor embed, "
       "Tensor input_norm, Tensor hidden_norm, Tensor mlp_norm, Tensor? final_norm, float eps, "
       "bool norm_before_residual, bool feed_normed, Tensor wqkv, Tensor? bqkv, int n_qkv, "
       "Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, Tensor w2, Tensor? b2, "
