@@ -126,13 +126,19 @@ def _absent(where: dict[str, object], name: str, sources: Sources) -> bool:
     return value is _MISSING
 
 
+def _kept(module: nn.Module, key: str, build: Callable[[], Any]) -> Any:
+    """The arguments kept on `module` under `key` (anything with `current()`), built anew where
+    anything they were read from changed."""
+    kept = module.__dict__.get(key)
+    if kept is None or not kept.current():
+        kept = build()
+        module.__dict__[key] = kept  # a plain attribute: read back without __getattr__
+    return kept
+
+
 def _cached(module: nn.Module, build: Callable[[Sources], LayerArgs]) -> LayerArgs:
     """The module's LayerArgs, read anew where anything they were read from changed."""
-    kept: LayerArgs | None = module.__dict__.get("fused_args")
-    if kept is not None and kept.current():
-        return kept
-    args = build([])
-    module.__dict__["fused_args"] = args  # a plain attribute: read back without __getattr__
+    args: LayerArgs = _kept(module, "fused_args", lambda: build([]))
     return args
 
 
@@ -276,10 +282,7 @@ class StackArgs:
 def stack_args(model: nn.Module) -> StackArgs | None:
     """The stack op's arguments for `model.layers`, or None where a layer is not a fused llama
     Block or the layers differ in eps, sizes or head count (the per-layer loop then runs)."""
-    kept: StackArgs | None = model.__dict__.get("stack_args")
-    if kept is None or not kept.current():
-        kept = _stack_build(model)
-        model.__dict__["stack_args"] = kept  # a plain attribute: read back without __getattr__
+    kept: StackArgs = _kept(model, "stack_args", lambda: _stack_build(model))
     return kept if kept.fused else None
 
 
@@ -353,29 +356,31 @@ def logits_args(model: nn.Module, stack: StackArgs) -> LogitsArgs | None:
     """The `decoder` op's arguments beyond `stack` for a model whose decoder `stack` takes, or
     None where its output matrix is not w4a8's (4- or 8-bit, no bias) or its final norm's eps
     differs from the layers'."""
-    kept: LogitsArgs | None = model.__dict__.get("logits_args")
-    if kept is None or not kept.current():
-        sources: Sources = []
-        norm, lm_head = _read(model, "norm", sources), _read(model, "lm_head", sources)
-        bits = _BITS.get(type(lm_head).__name__, 0)
-        fused = (
-            bits > 0
-            and _read(lm_head, "bias", sources) is None
-            and _read(norm, "eps", sources) == stack.norms[2]
-        )
-        tail = (
-            (
-                _read(norm, "weight", sources),
-                _read(lm_head, "weight", sources),
-                bits,
-                _read(lm_head, "out_features", sources),
-            )
-            if fused
-            else ()
-        )
-        kept = LogitsArgs(_read(model, "inv_freq", sources), tail, fused, tuple(sources))
-        model.__dict__["logits_args"] = kept  # a plain attribute: read back without __getattr__
+    kept: LogitsArgs = _kept(model, "logits_args", lambda: _logits_build(model, stack))
     return kept if kept.fused else None
+
+
+def _logits_build(model: nn.Module, stack: StackArgs) -> LogitsArgs:
+    # the stack's arguments as kept on the model: rebuilt (say, an eps changed), these are too
+    sources: Sources = [(model.__dict__, "stack_args", stack)]
+    norm, lm_head = _read(model, "norm", sources), _read(model, "lm_head", sources)
+    bits = _BITS.get(type(lm_head).__name__, 0)
+    fused = (
+        bits > 0
+        and _read(lm_head, "bias", sources) is None
+        and _read(norm, "eps", sources) == stack.norms[2]
+    )
+    tail = (
+        (
+            _read(norm, "weight", sources),
+            _read(lm_head, "weight", sources),
+            bits,
+            _read(lm_head, "out_features", sources),
+        )
+        if fused
+        else ()
+    )
+    return LogitsArgs(_read(model, "inv_freq", sources), tail, fused, tuple(sources))
 
 
 def forward_decoder(
@@ -466,10 +471,7 @@ def head_args(
     norms of one eps, its lm_head w4a8's (4- or 8-bit, no bias) and its embedding dense."""
     if not step_fits(hidden, k_cache, plan):
         return None
-    kept: HeadArgs | None = head.__dict__.get("fused_head_args")
-    if kept is None or not kept.current():
-        kept = _head_build(head)
-        head.__dict__["fused_head_args"] = kept  # a plain attribute: read back without __getattr__
+    kept: HeadArgs = _kept(head, "fused_head_args", lambda: _head_build(head))
     return kept if kept.fused else None
 
 
