@@ -126,6 +126,18 @@ def _absent(where: dict[str, object], name: str, sources: Sources) -> bool:
     return value is _MISSING
 
 
+_BITS = {"W4A8Linear": 4, "W8A8Linear": 8}
+
+
+def _w4a8_matrix(linear: nn.Module | None, sources: Sources) -> tuple[object, int, object] | None:
+    """(packed weight, bits, output size) of a w4a8 matrix without a bias (W4A8Linear: 4 bits,
+    W8A8Linear: 8), read and recorded in `sources`; None for any other module (or None)."""
+    bits = _BITS.get(type(linear).__name__, 0)
+    if linear is None or not bits or _read(linear, "bias", sources) is not None:
+        return None
+    return _read(linear, "weight", sources), bits, _read(linear, "out_features", sources)
+
+
 def _kept(module: nn.Module, key: str, build: Callable[[], Any]) -> Any:
     """The arguments kept on `module` under `key` (anything with `current()`), built anew where
     anything they were read from changed."""
@@ -181,9 +193,6 @@ def _layer_args(block: Block | SandwichBlock) -> LayerArgs:
     return _sandwich_args(block) if sandwich else _target_args(block)
 
 
-_BITS = {"W4A8Linear": 4, "W8A8Linear": 8}
-
-
 def _sandwich_args(block: nn.Module) -> LayerArgs:
     def build(sources: Sources) -> LayerArgs:
         attn, mlp = _read(block, "attn", sources), _read(block, "mlp", sources)
@@ -198,28 +207,13 @@ def _sandwich_args(block: nn.Module) -> LayerArgs:
         eps = {_read(norm, "eps", sources) for norm in norms}
         linears = [_read(attn, "wqkv", sources), _read(attn, "wo", sources)]
         linears += [_read(mlp, "w13", sources), _read(mlp, "w2", sources)]
-        bits = [_BITS.get(type(m).__name__, 0) for m in linears]
-        fused = (
-            all(bits)
-            and all(_read(m, "bias", sources) is None for m in linears)
-            and len(eps) == 1
-            and _read(mlp, "act", sources) == "gelu_tanh"
-        )
+        mats = [_w4a8_matrix(m, sources) for m in linears]  # (weight, bits, outputs) each
+        fused = len(eps) == 1 and _read(mlp, "act", sources) == "gelu_tanh" and None not in mats
         if not fused:
             return LayerArgs((), (), 0, False, tuple(sources))
-        wqkv, wo, w13, w2 = linears
-        matrices = (
-            _read(wqkv, "weight", sources),
-            bits[0],
-            _read(wqkv, "out_features", sources),
-            _read(wo, "weight", sources),
-            bits[1],
-            _read(w13, "weight", sources),
-            bits[2],
-            _read(w13, "out_features", sources),
-            _read(w2, "weight", sources),
-            bits[3],
-        )
+        qkv, wo, w13, w2 = (m for m in mats if m is not None)
+        # the op's order: weight, bits and outputs of wqkv and w13; weight and bits of wo and w2
+        matrices = (*qkv, *wo[:2], *w13, *w2[:2])
         ratio = _read(attn, "q_ratio", sources)
         heads = _read(attn, "cfg", sources).num_heads
         return LayerArgs(
@@ -363,23 +357,10 @@ def logits_args(model: nn.Module, stack: StackArgs) -> LogitsArgs | None:
 def _logits_build(model: nn.Module, stack: StackArgs) -> LogitsArgs:
     # the stack's arguments as kept on the model: rebuilt (say, an eps changed), these are too
     sources: Sources = [(model.__dict__, "stack_args", stack)]
-    norm, lm_head = _read(model, "norm", sources), _read(model, "lm_head", sources)
-    bits = _BITS.get(type(lm_head).__name__, 0)
-    fused = (
-        bits > 0
-        and _read(lm_head, "bias", sources) is None
-        and _read(norm, "eps", sources) == stack.norms[2]
-    )
-    tail = (
-        (
-            _read(norm, "weight", sources),
-            _read(lm_head, "weight", sources),
-            bits,
-            _read(lm_head, "out_features", sources),
-        )
-        if fused
-        else ()
-    )
+    norm = _read(model, "norm", sources)
+    out = _w4a8_matrix(_read(model, "lm_head", sources), sources)
+    fused = out is not None and _read(norm, "eps", sources) == stack.norms[2]
+    tail = (_read(norm, "weight", sources), *out) if fused and out is not None else ()
     return LogitsArgs(_read(model, "inv_freq", sources), tail, fused, tuple(sources))
 
 
@@ -482,34 +463,32 @@ def _head_build(head: nn.Module) -> HeadArgs:
     sources += layer.sources
     norms = [_read(mid, n, sources) for n in ("input_layernorm", "hidden_norm")]
     final = _read(head, "norm", sources)
-    embed, lm_head = _read(head, "embed", sources), _read(head, "lm_head", sources)
-    bits = _BITS.get(type(lm_head).__name__, 0)
+    embed = _read(head, "embed", sources)
+    out = _w4a8_matrix(_read(head, "lm_head", sources), sources)
     eps = {_read(n, "eps", sources) for n in [*norms, *([final] if final is not None else [])]}
     fused = (
         layer.fused
         and _absent(_read(head, "extra_layers", sources)._modules, "0", sources)
         and type(embed) is nn.Embedding
         and _read(embed, "max_norm", sources) is None
-        and bits > 0
-        and _read(lm_head, "bias", sources) is None
+        and out is not None
         and eps == {layer.norms[1]}
     )
-    if not fused:
+    if not fused or out is None:
         return HeadArgs((), (), layer, (), (), False, tuple(sources))
     cfg = _read(head, "cfg", sources)
     fc = _read(head, "fc", sources)
-    fc_bits = _BITS.get(type(fc).__name__, 0)
+    fc_matrix = _w4a8_matrix(fc, sources)
     # combine in the op: fc without norms or bias, or no fc (the one state as is); else ()
     takes_fc: tuple[object, ...] = ()
     if fc is None:
         takes_fc = (None, 0)
     elif (
-        fc_bits > 0
-        and _read(fc, "bias", sources) is None
+        fc_matrix is not None
         and _read(head, "input_norm", sources) is None
         and _read(head, "fc_norm", sources) is None
     ):
-        takes_fc = (_read(fc, "weight", sources), fc_bits)
+        takes_fc = fc_matrix[:2]  # its output size is the head's width
     return HeadArgs(
         lead=(
             _read(head, "inv_freq", sources),
@@ -520,7 +499,7 @@ def _head_build(head: nn.Module) -> HeadArgs:
         ),
         flags=(layer.norms[1], _read(mid, "norm_before_residual", sources), cfg.feed_normed),
         layer=layer,
-        lm_head=(_read(lm_head, "weight", sources), bits, _read(lm_head, "out_features", sources)),
+        lm_head=out,
         fc=takes_fc,
         fused=True,
         sources=tuple(sources),

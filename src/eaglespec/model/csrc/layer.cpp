@@ -56,6 +56,14 @@ const Ops& ops() {
   return o;
 }
 
+// (M, K) rows through a w4a8 matrix of N outputs stored at `bits` (4: linear, 8: linear8, as
+// w4a8-mixed and the output heads store them); `what` names the matrix in the error.
+at::Tensor project_bits(const at::Tensor& x2, const at::Tensor& w, int64_t bits, int64_t N,
+                        const char* what) {
+  TORCH_CHECK(bits == 4 || bits == 8, what, ": a 4- or 8-bit matrix, got ", bits, " bits");
+  return bits == 4 ? ops().linear.call(x2, w, N) : ops().linear8.call(x2, w, N);
+}
+
 // (M, K) rows through one w4a8 matrix of N outputs, plus the bias in the model's dtype.
 at::Tensor project(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& b,
                    int64_t N) {
@@ -178,17 +186,13 @@ std::vector<at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tens
 at::Tensor logits_of(const at::Tensor& x, const std::optional<at::Tensor>& logit_index,
                      const std::optional<at::Tensor>& norm, double eps, const at::Tensor& lm_head,
                      int64_t lm_bits, int64_t vocab) {
-  TORCH_CHECK(lm_bits == 4 || lm_bits == 8, "logits: a 4- or 8-bit output matrix, got ", lm_bits);
-  const Ops& o = ops();
   at::Tensor y = x;
   if (logit_index.has_value()) {
     const at::Tensor rows = at::arange(x.size(0), logit_index->options()).unsqueeze(1);  // (B, 1)
     y = x.index({rows, *logit_index});  // (B, T', C)
   }
-  if (norm.has_value()) y = o.rms_norm.call(y, *norm, eps);
-  const at::Tensor y2 = y.reshape({-1, y.size(2)});
-  const at::Tensor z =
-      lm_bits == 8 ? o.linear8.call(y2, lm_head, vocab) : o.linear.call(y2, lm_head, vocab);
+  if (norm.has_value()) y = ops().rms_norm.call(y, *norm, eps);
+  const at::Tensor z = project_bits(y.reshape({-1, y.size(2)}), lm_head, lm_bits, vocab, "logits");
   return z.to(y.scalar_type()).view({y.size(0), y.size(1), vocab}).to(at::kFloat);
 }
 
@@ -217,10 +221,8 @@ std::vector<at::Tensor> head_forward(
   const int64_t B = ids.size(0), T = ids.size(1), C = hidden_norm.size(0);
   at::Tensor g;
   if (fc.has_value()) {  // eagle3.py's combine: fc over the states concatenated, low -> high
-    TORCH_CHECK(fc_bits == 4 || fc_bits == 8, "head: a 4- or 8-bit fc, got ", fc_bits);
     const at::Tensor cat = at::cat(states, -1);
-    const at::Tensor x2 = cat.reshape({-1, cat.size(-1)});
-    const at::Tensor y = fc_bits == 8 ? o.linear8.call(x2, *fc, C) : o.linear.call(x2, *fc, C);
+    const at::Tensor y = project_bits(cat.reshape({-1, cat.size(-1)}), *fc, fc_bits, C, "head fc");
     g = y.to(cat.scalar_type()).view({B, T, C});
   } else {
     TORCH_CHECK(states.size() == 1, "head: one state without fc, got ", states.size());
@@ -283,9 +285,8 @@ at::Tensor sandwich_forward(const at::Tensor& x, at::TensorList norms, double ep
   TORCH_CHECK(norms.size() == 6, "sandwich layer: 6 norms, got ", norms.size());
   TORCH_CHECK(n_qkv == (H + 2 * Hkv) * D, "sandwich layer: qkv outputs ", n_qkv, " for ", H,
               " + 2 x ", Hkv, " heads of ", D);
-  auto linear = [&](const at::Tensor& x2, const at::Tensor& w, int64_t bits, int64_t N) {
-    TORCH_CHECK(bits == 4 || bits == 8, "sandwich layer: 4- or 8-bit matrices, got ", bits);
-    return bits == 4 ? o.linear.call(x2, w, N) : o.linear8.call(x2, w, N);
+  auto linear = [](const at::Tensor& x2, const at::Tensor& w, int64_t bits, int64_t N) {
+    return project_bits(x2, w, bits, N, "sandwich layer");
   };
   const at::Tensor h = o.rms_norm.call(x, norms[0], eps);
   const at::Tensor qkv =
