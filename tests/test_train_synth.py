@@ -172,6 +172,24 @@ def test_summary_prompts_pick_long_finished_answers() -> None:
     )
 
 
+def test_summary_prompts_join_answers_into_long_texts() -> None:
+    tok = WordTokenizer()
+    samples = [Sample(f"a:{i}#0", [1], [10 + i] * 9 + [EOS], "stop") for i in range(6)]
+    samples.append(Sample("a:9#0", [1], [30] * 3, "stop"))  # too short: never joined
+    got = summary_prompts(tok, samples, count=20, min_tokens=8, seed=3, join=3)
+    assert len(got) == 20 and len({c.source for c in got}) == 20
+    paragraphs = [c.turns[0].removeprefix("Summarize: ").split("\n\n") for c in got]
+    counts = [len(p) for p in paragraphs]
+    assert set(counts) == {1, 2, 3}  # a seeded count from 1 to join
+    for p in paragraphs:
+        assert len(set(p)) == len(p)  # no answer twice in one text
+        assert all(x in {" ".join([f"w{10 + i}"] * 9) for i in range(6)} for x in p)
+    assert got == summary_prompts(tok, samples, count=20, min_tokens=8, seed=3, join=3)
+    assert summary_prompts(tok, samples[-1:], count=5, min_tokens=8, join=3) == []
+    with pytest.raises(ValueError, match="join"):
+        summary_prompts(tok, samples, count=1, min_tokens=8, join=0)
+
+
 ANSWER = """Here is the code.
 
 ```python

@@ -78,6 +78,15 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="only answers at least this long are summarized",
     )
     p.add_argument(
+        "--summary-join",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="each text to summarise joins 1 to N of those answers as paragraphs (a seeded "
+        "count): long texts like the articles users ask to have summarised; raise "
+        "--max-prompt-tokens to match",
+    )
+    p.add_argument(
         "--completions",
         type=_count,
         default=0,
@@ -245,6 +254,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         ),
         summaries=args.summaries,
         summary_min_tokens=args.summary_min_tokens,
+        summary_join=args.summary_join,
         completions=args.completions,
         init_from=args.init_from,
         regen=RegenConfig(

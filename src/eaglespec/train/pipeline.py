@@ -69,6 +69,7 @@ class PipelineConfig:
     regen: RegenConfig = field(default_factory=RegenConfig)
     summaries: int = 0  # "Summarize: <answer>" prompts over the target's own long answers
     summary_min_tokens: int = 150  # answers at least this long are summarized
+    summary_join: int = 1  # each text to summarise joins 1 to this many answers
     completions: int = 0  # "Complete the code I provided." over the target's own functions
     init_from: Path | None = None  # a head to continue training (weights; see keep_vocab)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
@@ -168,6 +169,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
                 cfg.summaries,
                 cfg.summary_min_tokens,
                 cfg.regen.seed,
+                cfg.summary_join,
             )
             log(f"regen: {len(extra)} summaries of the target's own answers")
             completions = completion_prompts(

@@ -221,22 +221,44 @@ def synthesize_prompts(
 
 
 def summary_prompts(
-    tokenizer: Tokenizer, samples: Sequence[Sample], count: int, min_tokens: int, seed: int = 0
+    tokenizer: Tokenizer,
+    samples: Sequence[Sample],
+    count: int,
+    min_tokens: int,
+    seed: int = 0,
+    join: int = 1,
 ) -> list[Conversation]:
     """`count` summarization prompts over a seeded choice of responses with at least
-    `min_tokens` tokens that ended by themselves; the source names the answer summarized."""
+    `min_tokens` tokens that ended by themselves; the source names the answer summarized.
+
+    With `join` > 1 each text joins 1 to `join` such answers (a seeded count, the answers drawn
+    without repeats within a text) as paragraphs: texts of the lengths the articles users ask to
+    have summarised run to (600-1,600 tokens), so the head learns to copy at the positions and
+    from the contexts such prompts bring. The source names the first answer and the text's
+    index."""
+    if join < 1:
+        raise ValueError(f"join must be at least 1, got {join}")
     pool = [
         s
         for s in samples
         if s.finish == "stop" and len(s.response) >= min_tokens and not _derived(s.key)
     ]
-    random.Random(f"{seed}:summarize").shuffle(pool)
-    return [
-        Conversation(
-            (SUMMARIZE.format(text=tokenizer.decode(s.response).strip()),), f"{s.key}:summarize"
-        )
-        for s in pool[:count]
-    ]
+    rng = random.Random(f"{seed}:summarize")
+    rng.shuffle(pool)
+    if join == 1:
+        return [
+            Conversation(
+                (SUMMARIZE.format(text=tokenizer.decode(s.response).strip()),),
+                f"{s.key}:summarize",
+            )
+            for s in pool[:count]
+        ]
+    convs = []
+    for i in range(count if pool else 0):
+        parts = rng.sample(pool, min(len(pool), rng.randint(1, join)))
+        text = "\n\n".join(tokenizer.decode(s.response).strip() for s in parts)
+        convs.append(Conversation((SUMMARIZE.format(text=text),), f"{parts[0].key}:summarize{i}"))
+    return convs
 
 
 def completion_prompts(
