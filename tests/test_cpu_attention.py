@@ -101,6 +101,38 @@ def test_masked_keys_do_not_move_the_sums(dtype: torch.dtype, D: int) -> None:
         assert torch.equal(scattered, packed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", cpu_attention.HEAD_DIMS)
+def test_causal_rows_sharing_their_keys_keep_their_bits(dtype: torch.dtype, D: int) -> None:
+    """A chain's verification: T causal rows over a cached prefix, so rows of one KV head read
+    different numbers of keys (not multiples of 16) and are scored together, sharing the keys'
+    widening (groups of up to 8 rows: 11 tokens x 3 heads cross the groups' edges). Each row must
+    keep the bits of a one-token step over its own keys, here with a tree node's scattered mask
+    among them, on one thread and on two."""
+    T, K = 11, 157
+    q, k, v, _ = _inputs(dtype, B=2, T=T, K=K, D=D)
+    mask = torch.ones(2, 1, T, K, dtype=torch.bool).tril(K - T)  # row t: keys 0 .. K - T + t
+    scattered = [0, 5, 17, 40, 99, 150]
+    mask[1, 0, 4] = False
+    mask[1, 0, 4, scattered] = True
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.attend(q, k, v, mask)
+        torch.set_num_threads(max(2, threads))
+        out = cpu_attention.attend(q, k, v, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, out)
+    for b in range(2):
+        for t in range(T):
+            keys = scattered if (b, t) == (1, 4) else list(range(K - T + t + 1))
+            idx = torch.tensor(keys)
+            qt = q[b : b + 1, :, t : t + 1]
+            alone = cpu_attention.attend(qt, k[b : b + 1, :, idx], v[b : b + 1, :, idx], None)
+            assert torch.equal(alone, out[b : b + 1, :, t : t + 1]), (b, t)
+
+
 def test_thread_count_does_not_change_the_bits() -> None:
     q, k, v, mask = _inputs(torch.bfloat16, B=2, T=4, K=300)
     threads = torch.get_num_threads()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.draft_model import DraftModelProposer
-from eaglespec.draft.hybrid import HybridProposer
+from eaglespec.draft.hybrid import HybridProposer, HybridState
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.lookup import NgramIndex, PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
@@ -24,6 +24,7 @@ from eaglespec.errors import ModelLoadError
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import RequestOutput, collect_outputs
+from eaglespec.tree import chain_tree, graft_chain
 from helpers import NullTokenizer, cycling_target, tiny_target
 
 V = 96
@@ -173,6 +174,35 @@ def test_hybrid_accepts_what_the_context_repeats(k: int, tree: TreeConfig | None
         assert b.stats.rounds < a.stats.rounds
         # every round but the last few (the request's own end cuts them) accepts >= 3 tokens
         assert b.stats.accepted_tokens >= 3 * (b.stats.rounds - 2)
+
+
+@pytest.mark.parametrize(
+    ("drafts", "chain"),
+    [
+        ([[]], True),  # no drafts: the graft hangs from the root, a chain
+        ([[3]], True),  # the lookup goes on from the draft: a chain of 1 + 2
+        ([[3, 4]], True),
+        ([[9]], False),  # it does not: a branch under the root
+        ([[3], [9]], False),  # one row of two continues: a tree for both
+        ([[3], [3]], True),
+    ],
+)
+def test_a_graft_that_continues_a_chain_stays_a_chain(
+    target: Transformer, drafts: list[list[int]], chain: bool
+) -> None:
+    """Rounds whose lookup continues the drafted chain verify a chain (cheaper than a tree's mask,
+    walk and cache gather); the tokens, depths and root paths are graft_chain's all the same."""
+    hybrid = _hybrid(target, lookup_tokens=2, min_ngram=2)
+    B = len(drafts)
+    history = torch.tensor([[1, 2, 3, 4, 5, 6, 1]] * B)  # root 2 after ... 1: "1 2" -> 3 4 5
+    state = hybrid.lookup.start(history, torch.tensor([2] * B), (), [7] * B, 64)
+    tree = chain_tree(torch.tensor([2] * B), torch.tensor(drafts, dtype=torch.long).view(B, -1))
+    got = hybrid.graft(HybridState(None, state), tree, room=16)
+    width = tree.max_depth + 2
+    want = graft_chain(tree, torch.tensor([[3, 4, 5, 6][:width]] * B), 2)
+    assert got.is_chain == chain
+    for name in ("tokens", "parents", "depth", "mask", "paths"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_hybrid_refuses_no_lookup_tokens(target: Transformer) -> None:

@@ -13,8 +13,11 @@ keys once for the scores (AVX-512, fp32 sums) and once for the values. Prefills 
 17): SDPA's bits differed from the kernel's, so a prompt answered after one whole prefill and
 after the server's chunked prefill could differ at bf16 w4a8; the kernel costs 1.15-1.4x SDPA
 there (256-1024 tokens). An unmasked row scores 16 keys at a time (reduce_add_ps's tree on 16
-accumulators: the same bits as key by key), and the query heads of one KV head share the
-value pass's loads.
+accumulators: the same bits as key by key). Up to 8 unmasked rows of one KV head (its query
+heads, a verification's tokens, a prefill's) are scored together: each block of 16 keys is
+widened from bf16 to fp32 once for all of them (exact, so each row's products are its own), and
+their value sums share the loads of v. The threads split the rows to a row, not to a KV head
+(SmolLM2's one-token step: 5 rows against 4, where it was 6 against 3).
 
 Row independence: each query row (b, h, t) is computed alone through the same instructions
 whatever T, B and the thread split are, so a verification over T tokens gives each row the

@@ -6,10 +6,11 @@
 // s[j] = (q[b, h, t] . k[b, h / G, j]) * scale where mask[b, t, j] (all j without a mask),
 // G = H / Hkv query heads per KV head. Scores, softmax and sums in fp32; q, k, v, out fp32 or bf16.
 //
-// Every query row (b, h, t) is computed alone (the G heads of a KV head by one thread, each in
-// its own order) through the same instructions whatever T, B and the split among threads are, so a row of a T-token verification is bitwise
-// the same row computed in a one-token step over the same keys. Masked keys change nothing
-// either: a row's sums run over its attended keys in order, so a key's slot does not matter.
+// Every query row (b, h, t) is computed alone, in its own order, through the same instructions
+// whatever T, B, the rows it shares reads with and the split among threads are, so a row of a
+// T-token verification is bitwise the same row computed in a one-token step over the same keys.
+// Masked keys change nothing either: a row's sums run over its attended keys in order, so a
+// key's slot does not matter.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -94,42 +96,22 @@ ATTN_TARGET inline __m512 dot16(const __m512 (&qv)[C], const T* k, int64_t k_str
   return _mm512_permutexvar_ps(order, e);
 }
 
-// One query row's softmax over K keys: C = D / 16 chunks of 16 lanes. `mask` is the row's mask
-// (stride `mstride` per key) or null; `scores` (at least K + 16 floats) receives p[j] =
-// exp(s[j] - max s), 0 where masked, and `packed` is scratch of the same size. Returns
-// 1 / sum_j p[j], or 0 for a row whose every key is masked (a zero row, never reached by the
-// engine's masks: its p are all 0, so its value sum stays 0).
+// One key's score, unscaled q . k times `scale`: the per-key form of dot16's scores (the same
+// bits: _mm512_reduce_add_ps is the tree dot16 runs on 16 keys at once).
 template <typename T, int C>
-ATTN_TARGET float softmax_row(const T* q, const T* k, int64_t k_stride, const bool* mask,
-                              int64_t mstride, int64_t K, float scale, float* scores,
-                              float* packed) {
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
+ATTN_TARGET inline float score_key(const __m512 (&qv)[C], const T* kj, float scale) {
+  __m512 acc = _mm512_mul_ps(qv[0], load16(kj));
+  for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], load16(kj + 16 * c), acc);
+  return _mm512_reduce_add_ps(acc) * scale;
+}
+
+// The softmax's second half over a row's K scores, whose largest is `top` (-inf: every key
+// masked): scores[j] <- p[j] = exp(s[j] - top), 0 where masked; returns 1 / sum_j p[j], or 0 for
+// a row whose every key is masked (a zero row, never reached by the engine's masks: its p are
+// all 0, so its value sum stays 0). `mask` as softmax_row's; `packed` is scratch of K + 16.
+ATTN_TARGET float exp_normalize(float* scores, int64_t K, float top, const bool* mask,
+                                int64_t mstride, float* packed) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float top = neg_inf;
-  int64_t j0 = 0;
-  if (mask == nullptr && C <= 8) {  // 16 keys at a time (C = 16 would spill the accumulators)
-    __m512 top16 = _mm512_set1_ps(neg_inf);
-    for (; j0 + 16 <= K; j0 += 16) {
-      const __m512 s16 = _mm512_mul_ps(dot16<T, C>(qv, k + j0 * k_stride, k_stride),
-                                       _mm512_set1_ps(scale));
-      _mm512_storeu_ps(scores + j0, s16);
-      top16 = _mm512_max_ps(top16, s16);
-    }
-    top = _mm512_reduce_max_ps(top16);
-  }
-  for (int64_t j = j0; j < K; ++j) {
-    if (mask != nullptr && !mask[j * mstride]) {
-      scores[j] = neg_inf;
-      continue;
-    }
-    const T* kj = k + j * k_stride;
-    __m512 acc = _mm512_mul_ps(qv[0], load16(kj));
-    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], load16(kj + 16 * c), acc);
-    const float s = _mm512_reduce_add_ps(acc) * scale;
-    scores[j] = s;
-    top = std::max(top, s);
-  }
   if (top == neg_inf) {
     std::fill(scores, scores + K, 0.0f);
     return 0.0f;
@@ -158,6 +140,85 @@ ATTN_TARGET float softmax_row(const T* q, const T* k, int64_t k_stride, const bo
     }
   }
   return 1.0f / _mm512_reduce_add_ps(total_v);
+}
+
+// One query row's softmax over K keys: C = D / 16 chunks of 16 lanes. `mask` is the row's mask
+// (stride `mstride` per key) or null; `scores` (at least K + 16 floats) receives p[j] =
+// exp(s[j] - max s), 0 where masked, and `packed` is scratch of the same size. Returns
+// exp_normalize's 1 / sum_j p[j]. Unmasked rows with C <= 8 go through score_rows instead
+// (the same bits, the keys' conversion shared with the other rows of their KV head).
+template <typename T, int C>
+ATTN_TARGET float softmax_row(const T* q, const T* k, int64_t k_stride, const bool* mask,
+                              int64_t mstride, int64_t K, float scale, float* scores,
+                              float* packed) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float top = neg_inf;
+  for (int64_t j = 0; j < K; ++j) {
+    if (mask != nullptr && !mask[j * mstride]) {
+      scores[j] = neg_inf;
+      continue;
+    }
+    const float s = score_key<T, C>(qv, k + j * k_stride, scale);
+    scores[j] = s;
+    top = std::max(top, s);
+  }
+  return exp_normalize(scores, K, top, mask, mstride, packed);
+}
+
+constexpr int kShareRows = 8;  // query rows of one KV head that share a pass over its keys
+
+// The softmaxes of R <= kShareRows unmasked query rows of one KV head, row i over its first
+// n[i] keys: each row's full blocks of 16 keys scored 16 at a time (dot16), its last n[i] mod 16
+// keys one at a time, then exp_normalize; scores[i] (at least max n + 16 floats) as
+// softmax_row's. A block's keys are widened to fp32 once (into `kb`, 16 x 16C floats, which
+// stays in L1) for every row that reads it: bf16 -> fp32 is exact, so each row's products and
+// sums are the ones it would compute alone. Returns each row's 1 / sum in inv[i].
+template <typename T, int C>
+ATTN_TARGET void score_rows(const T* const* q, const T* k, int64_t k_stride, const int64_t* n,
+                            int R, float scale, float* const* scores, float* inv, float* kb,
+                            float* packed) {
+  static_assert(C <= 8, "dot16 keeps 16 accumulators and C query vectors in registers");
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  alignas(64) float top16[kShareRows][16];
+  int64_t nmax = 0;
+  for (int i = 0; i < R; ++i) {
+    nmax = std::max(nmax, n[i]);
+    _mm512_store_ps(top16[i], _mm512_set1_ps(neg_inf));
+  }
+  for (int64_t j0 = 0; j0 + 16 <= nmax; j0 += 16) {
+    const float* kf;
+    int64_t kf_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      kf = k + j0 * k_stride, kf_stride = k_stride;
+    } else {
+      for (int j = 0; j < 16; ++j)
+        for (int c = 0; c < C; ++c)
+          _mm512_store_ps(kb + (j * C + c) * 16, load16(k + (j0 + j) * k_stride + 16 * c));
+      kf = kb, kf_stride = 16 * C;
+    }
+    for (int i = 0; i < R; ++i) {
+      if (j0 + 16 > n[i]) continue;
+      __m512 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = load16(q[i] + 16 * c);
+      const __m512 s16 =
+          _mm512_mul_ps(dot16<float, C>(qv, kf, kf_stride), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(scores[i] + j0, s16);
+      _mm512_store_ps(top16[i], _mm512_max_ps(_mm512_load_ps(top16[i]), s16));
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = load16(q[i] + 16 * c);
+    float top = _mm512_reduce_max_ps(_mm512_load_ps(top16[i]));
+    for (int64_t j = n[i] / 16 * 16; j < n[i]; ++j) {
+      const float s = score_key<T, C>(qv, k + j * k_stride, scale);
+      scores[i][j] = s;
+      top = std::max(top, s);
+    }
+    inv[i] = exp_normalize(scores[i], n[i], top, nullptr, 0, packed);
+  }
 }
 
 // The value sums of NQ query rows over the same K keys (the query heads of one KV head, same
@@ -200,6 +261,22 @@ int64_t prefix_keys(const bool* mask, int64_t stride, int64_t K) {
   return n;
 }
 
+// The value sums of R rows sharing v (up to the widest pass C's registers hold), in passes of
+// NQ rows: p[i] must be 0 past row i's keys up to K, which skips them as the row alone would.
+template <typename T, int C>
+void value_passes(const float* const* p, const float* inv_total, const T* v, int64_t v_stride,
+                  int64_t K, T* const* out, int R) {
+  constexpr int kWidest = C <= 4 ? 4 : C <= 6 ? 3 : C <= 8 ? 2 : 1;  // NQ x C + C registers
+  int i = 0;
+  for (; i + kWidest <= R; i += kWidest)
+    value_rows<T, C, kWidest>(p + i, inv_total + i, v, v_stride, K, out + i);
+  if constexpr (kWidest > 3)
+    if (R - i == 3) return value_rows<T, C, 3>(p + i, inv_total + i, v, v_stride, K, out + i);
+  if constexpr (kWidest > 2)
+    if (R - i == 2) return value_rows<T, C, 2>(p + i, inv_total + i, v, v_stride, K, out + i);
+  for (; i < R; ++i) value_rows<T, C, 1>(p + i, inv_total + i, v, v_stride, K, out + i);
+}
+
 template <typename T, int C>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const c10::optional<at::Tensor>& mask, double scale, at::Tensor& out) {
@@ -213,36 +290,58 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const bool* mp = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
   int64_t mb = 0, mt = 0, mj = 0;
   if (mp != nullptr) mb = mask->stride(0), mt = mask->stride(2), mj = mask->stride(3);
-  // Tasks are (row, KV head, token): the G query heads of a KV head see the same keys and mask,
-  // so their value sums share the loads of v (value_rows).
-  const int64_t groups = B * Hkv * T_;
-  const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K * G, 1));
-  constexpr int NQ = C <= 8 ? 2 : 1;  // rows per value pass: 2 x C accumulators in registers
-  at::parallel_for(0, groups, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(G * (K + 16)), packed(K + 16), inv(G);
-    std::vector<T*> outs(G);
-    std::vector<const float*> ps(G);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (Hkv * T_), g = (r / T_) % Hkv, t = r % T_;
-      const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
-      const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
-      if (keys >= 0) row_mask = nullptr;  // a prefix of the keys: the same sums, unmasked
-      const int64_t n = keys >= 0 ? keys : K;
+  // The query rows are split among the threads as one range of (row, KV head, token, query
+  // head): a thread's rows of one KV head, up to kShareRows at a time, share the reads of its
+  // keys (score_rows) and values (value_passes), and the split is even to a row (SmolLM2's
+  // one-token step: 5 rows against 4, where whole KV heads were 6 against 3). A row's
+  // arithmetic is the same in any group and on any thread.
+  const int64_t per_head = T_ * G, rows = B * Hkv * per_head;
+  const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K, 1));
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores((kShareRows + 1) * (K + 16)), packed(K + 16);  // + a lone row's
+    std::vector<float> kb(16 * 16 * C + 16);
+    float* kb_aligned =  // 64-byte aligned for the widened block's stores
+        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kb.data()) + 63) & ~uintptr_t(63));
+    const T* qrow[kShareRows];
+    T* orow[kShareRows];
+    float* prow[kShareRows];
+    float inv[kShareRows];
+    int64_t n[kShareRows];
+    for (int64_t s0 = r0; s0 < r1;) {
+      const int64_t head = s0 / per_head;  // (b, g)
+      const int64_t s1 = std::min({r1, (head + 1) * per_head, s0 + kShareRows});
+      const int64_t b = head / Hkv, g = head % Hkv;
       const T* kg = kp + b * ks.b + g * ks.h;
-      for (int64_t i = 0; i < G; ++i) {
-        const int64_t h = g * G + i;
-        float* sc = scores.data() + i * (K + 16);
-        inv[i] = softmax_row<T, C>(qp + b * qs.b + h * qs.h + t * qs.r, kg, ks.r, row_mask, mj,
-                                   n, static_cast<float>(scale), sc, packed.data());
-        ps[i] = sc;
-        outs[i] = op + ((b * T_ + t) * H + h) * 16 * C;
-      }
       const T* vg = vp + b * vs.b + g * vs.h;
-      int64_t i = 0;
-      for (; i + NQ <= G; i += NQ)
-        value_rows<T, C, NQ>(ps.data() + i, inv.data() + i, vg, vs.r, n, outs.data() + i);
-      for (; i < G; ++i)
-        value_rows<T, C, 1>(ps.data() + i, inv.data() + i, vg, vs.r, n, outs.data() + i);
+      int R = 0;
+      int64_t nmax = 0;
+      for (int64_t r = s0; r < s1; ++r) {
+        const int64_t t = (r % per_head) / G, h = g * G + (r % per_head) % G;
+        const T* qr = qp + b * qs.b + h * qs.h + t * qs.r;
+        T* outr = op + ((b * T_ + t) * H + h) * 16 * C;
+        const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
+        const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
+        if (keys < 0 || C > 8) {  // a tree's mask, or a head too wide to share: alone
+          const int64_t nk = keys < 0 ? K : keys;
+          float* p = scores.data() + kShareRows * (K + 16);
+          float one = softmax_row<T, C>(qr, kg, ks.r, keys < 0 ? row_mask : nullptr, mj, nk, sc,
+                                        p, packed.data());
+          const float* pc = p;
+          value_rows<T, C, 1>(&pc, &one, vg, vs.r, nk, &outr);
+          continue;
+        }
+        qrow[R] = qr, orow[R] = outr, n[R] = keys, prow[R] = scores.data() + R * (K + 16);
+        nmax = std::max(nmax, keys);
+        ++R;
+      }
+      if (R > 0) {
+        if constexpr (C <= 8)
+          score_rows<T, C>(qrow, kg, ks.r, n, R, sc, prow, inv, kb_aligned, packed.data());
+        for (int i = 0; i < R; ++i) std::fill(prow[i] + n[i], prow[i] + nmax, 0.0f);
+        value_passes<T, C>(prow, inv, vg, vs.r, nmax, orow, R);
+      }
+      s0 = s1;
     }
   });
 }
