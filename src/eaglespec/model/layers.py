@@ -99,7 +99,11 @@ class GatedMLP(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.hidden, dim=-1)  # (B, T, I) each
+        gu = self.w13(x)  # (B, T, 2I): gate, up
+        if self.act == "silu" and cpu_rowops.silu_mul_fits(gu):  # eager CPU: one kernel call
+            fused: torch.Tensor = self.w2(cpu_rowops.silu_mul(gu))
+            return fused
+        gate, up = gu.split(self.hidden, dim=-1)  # (B, T, I) each
         g = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         out: torch.Tensor = self.w2(g * up)
         return out

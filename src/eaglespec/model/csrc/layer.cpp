@@ -3,7 +3,7 @@
 // (eaglespec/model/cpu_layer.py has the why and the measurements).
 //
 //   h = rms_norm(x); qkv = w4a8(h) (+ bias); q = rope_write(qkv -> cache); a = attend(q, cache)
-//   x = x + w4a8(a) (+ bias); h = rms_norm(x); g, u = w4a8(h) (+ bias); x = x + w4a8(silu(g) * u)
+//   x = x + w4a8(a) (+ bias); h = rms_norm(x); g, u = w4a8(h) (+ bias); x = x + w4a8(silu_mul(g, u))
 //
 // The same ops as the Python forward (eaglespec's kernels through the dispatcher, ATen for the
 // adds, SiLU and product; a residual add after a matrix without a bias is the kernel's own,
@@ -36,6 +36,7 @@ struct Ops {
   c10::TypedOperatorHandle<Norm> rms_norm;
   c10::TypedOperatorHandle<RopeWrite> rope_write;
   c10::TypedOperatorHandle<Attend> attend;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
 };
 
 const Ops& ops() {
@@ -52,6 +53,9 @@ const Ops& ops() {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("eaglespec_attention::attend", "")
           .typed<Attend>(),
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("eaglespec_rowops::silu_mul", "")
+          .typed<at::Tensor(const at::Tensor&)>(),
   };
   return o;
 }
@@ -110,8 +114,7 @@ at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at:
   const at::Tensor x_attn = project_add(a.transpose(1, 2).reshape({B * T, H * D}), wo, bo, C, x2);
   const at::Tensor h2 = o.rms_norm.call(x_attn, mlp_norm, eps);
   const at::Tensor gu = project(h2, w13, b13, n_13);
-  const int64_t I = n_13 / 2;
-  const at::Tensor act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
+  const at::Tensor act = o.silu_mul.call(gu);  // silu(gate) * up, (B T, n_13 / 2)
   return project_add(act, w2, b2, C, x_attn).view({B, T, C});
 }
 
