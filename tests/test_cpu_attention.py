@@ -115,15 +115,7 @@ def test_causal_rows_sharing_their_keys_keep_their_bits(dtype: torch.dtype, D: i
     scattered = [0, 5, 17, 40, 99, 150]
     mask[1, 0, 4] = False
     mask[1, 0, 4, scattered] = True
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_attention.attend(q, k, v, mask)
-        torch.set_num_threads(max(2, threads))
-        out = cpu_attention.attend(q, k, v, mask)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, out)
+    out = _on_one_and_two_threads(q, k, v, mask)
     for b in range(2):
         for t in range(T):
             keys = scattered if (b, t) == (1, 4) else list(range(K - T + t + 1))
@@ -134,7 +126,13 @@ def test_causal_rows_sharing_their_keys_keep_their_bits(dtype: torch.dtype, D: i
 
 
 def test_thread_count_does_not_change_the_bits() -> None:
-    q, k, v, mask = _inputs(torch.bfloat16, B=2, T=4, K=300)
+    _on_one_and_two_threads(*_inputs(torch.bfloat16, B=2, T=4, K=300))
+
+
+def _on_one_and_two_threads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The kernel's output on one thread and on (at least) two, asserted bitwise equal."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -144,6 +142,7 @@ def test_thread_count_does_not_change_the_bits() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
+    return many
 
 
 def test_output_is_laid_out_for_the_callers_reshape() -> None:
