@@ -35,7 +35,9 @@ def _load_old(rev: str) -> None:
     rel = CSRC.relative_to(root)
     folder = Path(tempfile.mkdtemp(prefix="attention_ab_"))
     names = subprocess.check_output(["git", "ls-tree", "--name-only", f"{rev}:{rel}"], text=True)
-    for name in names.split():  # the source and whatever headers it included then
+    for name in names.split():
+        if name != "attention.cpp" and not name.endswith(".h"):
+            continue  # the source and whatever headers it may include
         text = subprocess.check_output(["git", "show", f"{rev}:{rel}/{name}"], text=True)
         (folder / name).write_text(text.replace("eaglespec_attention", "eaglespec_attention_ab"))
     cpp_extension.load(

@@ -285,9 +285,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> scores((kShareRows + 1) * (K + 16)), packed(K + 16);  // + a lone row's
-    std::vector<float> kb(16 * 16 * C + 16);
-    float* kb_aligned =  // 64-byte aligned for the widened block's stores
-        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kb.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float kb[16 * 16 * (C <= 8 ? C : 1)];  // a widened block of keys (score_rows)
     const T* qrow[kShareRows];
     T* orow[kShareRows];
     float* prow[kShareRows];
@@ -322,7 +320,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       if (R > 0) {
         if constexpr (C <= 8)
-          score_rows<T, C>(qrow, kg, ks.r, n, R, sc, prow, inv, kb_aligned, packed.data());
+          score_rows<T, C>(qrow, kg, ks.r, n, R, sc, prow, inv, kb, packed.data());
         for (int i = 0; i < R; ++i) std::fill(prow[i] + n[i], prow[i] + nmax, 0.0f);
         value_passes<T, C>(prow, inv, vg, vs.r, nmax, orow, R);
       }

@@ -5,8 +5,8 @@
 //   h = rms_norm(x); qkv = w4a8(h) (+ bias); q = rope_write(qkv -> cache); a = attend(q, cache)
 //   x = x + w4a8(a) (+ bias); h = rms_norm(x); g, u = w4a8(h) (+ bias); x = x + w4a8(silu_mul(g, u))
 //
-// The same ops as the Python forward (eaglespec's kernels through the dispatcher, ATen for the
-// adds, SiLU and product; a residual add after a matrix without a bias is the kernel's own,
+// The same ops as the Python forward (eaglespec's kernels through the dispatcher, SwiGLU's
+// included (rowops' silu_mul); ATen for the adds and Gemma's GeGLU; a residual add after a matrix without a bias is the kernel's own,
 // `linear_add`, with ATen's bits), so the same bits: what this saves is Python, about 50 us a
 // layer.
 

@@ -120,7 +120,8 @@ ROWOPS_TARGET void silu_mul_row(const T* g, const T* u, T* y, int64_t I) {
     const __mmask16 mask = tail_mask(I - i);
     const __m512 x = load16(g + i, mask);
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-    const __m512 sig_abs = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 sig_abs = _mm512_div_ps(one, _mm512_add_ps(one, e));  // sigmoid(|x|)
     // sigmoid(x) = 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) = e * sigmoid(|x|) below
     const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 sig = _mm512_mask_mul_ps(sig_abs, negative, sig_abs, e);
@@ -214,7 +215,6 @@ ROWOPS_TARGET int64_t argmax_row(const float* x, int64_t V) {
 
 }  // namespace
 
-// x (..., C) fp32 or bf16, w (C,) fp32 or x's dtype -> (..., C) in x's dtype.
 // x (..., 2I): gate then up -> (..., I) in x's dtype.
 at::Tensor rowops_silu_mul(const at::Tensor& x_in) {
   TORCH_CHECK(cpu_supported(), "eaglespec silu_mul: this CPU lacks AVX-512");
@@ -223,18 +223,19 @@ at::Tensor rowops_silu_mul(const at::Tensor& x_in) {
   TORCH_CHECK(W % 2 == 0, "silu_mul: the last dim holds gate and up halves, got ", W);
   const auto dt = x_in.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "silu_mul: fp32 or bf16 only, got ", dt);
-  const at::Tensor x = x_in.stride(-1) == 1 && x_in.dim() == 2 ? x_in : x_in.reshape({-1, W});
-  const at::Tensor xc = x.stride(-1) == 1 ? x : x.contiguous();
-  std::vector<int64_t> sizes(x_in.sizes().begin(), x_in.sizes().end());
+  at::Tensor x = x_in.reshape({-1, W});  // rows (a view where x_in's rows are strided)
+  if (x.stride(-1) != 1) x = x.contiguous();
+  std::vector<int64_t> sizes = x_in.sizes().vec();
   sizes.back() = W / 2;
-  at::Tensor y = at::empty({xc.size(0), W / 2}, x_in.options());
+  at::Tensor y = at::empty({x.size(0), W / 2}, x_in.options());
   if (dt == at::kFloat)
-    silu_mul_rows<float>(xc, y);
+    silu_mul_rows<float>(x, y);
   else
-    silu_mul_rows<at::BFloat16>(xc, y);
+    silu_mul_rows<at::BFloat16>(x, y);
   return y.view(sizes);
 }
 
+// x (..., C) fp32 or bf16, w (C,) fp32 or x's dtype -> (..., C) in x's dtype.
 at::Tensor rowops_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   TORCH_CHECK(cpu_supported(), "eaglespec rms_norm: this CPU lacks AVX-512");
   TORCH_CHECK(x_in.device().is_cpu() && w_in.device().is_cpu(), "rms_norm: CPU tensors only");
