@@ -22,6 +22,8 @@
 #   cp src/eaglespec/heads/smollm2-135m/{config.json,model.safetensors} .gpu/head
 #   cp ../shared/data/train/* .gpu/train
 # Back here: cat parts > stage.tgz; tar xzf stage.tgz (head/, data/, report_regen.json).
+# Stage 2 reads SEED, SKIP and LIMIT (the GSM8K questions taken: --skip-per-file, --limit-per-file),
+# SYNTH_S, REGEN_S, TRAIN_S and TOTAL_S (seconds), and the sizes below from the environment.
 set -uo pipefail
 stage=$1
 OUT=${OUT:-/tmp/out}
@@ -51,7 +53,7 @@ if [ "$stage" = 2 ]; then
     ARGS=(--target "$G" --device cuda --target-dtype bfloat16 --target-quant none
         --data $D/gsm8k_train.jsonl $D/alpaca_seed_tasks.jsonl
         $D/sharegpt_format_dummy_conversation.json
-        --variants code=0.3 --limit-per-file "${LIMIT:-3000}"
+        --variants code=0.3 --skip-per-file "${SKIP:-0}" --limit-per-file "${LIMIT:-3000}"
         --synth-prompts "${SYNTH:-12000}" --synth-steer tasks
         --summaries "${SUMMARIES:-1500}" --completions "${COMPLETIONS:-800}"
         --answer-rows "${ROWS:-512}" --answer-tokens "${ROW_TOKENS:-400000}"
