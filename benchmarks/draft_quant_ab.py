@@ -1,0 +1,89 @@
+"""The EAGLE-3 head's own precision, A/B in one process: its lm_head at 8 bits (what `--quant
+w4a8` gives a head today) against 4 bits (`w4a8-all`), chain and tree, on the same target,
+questions and turns, methods interleaved per question (bench/runner.py).
+
+    python benchmarks/draft_quant_ab.py --questions ../shared/data/eval/*.jsonl \\
+        [--draft src/eaglespec/heads/smollm2-135m] [--modes w4a8 w4a8-all] [--limit 4]
+        [--max-tokens 128] [--num-draft 2] [--tree 4,4,16] [--threads 2]
+
+Per mode and shape: tokens a round, decode tokens/s and its ratio to plain decoding's, draft
+milliseconds per round, and whether every output equals plain greedy decoding's. The target
+runs in bf16 at `--target-quant` (w4a8: SmolLM2's default precision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from eaglespec.bench.lineup import BenchMethod
+from eaglespec.bench.memory import memory_meter
+from eaglespec.bench.questions import read_all
+from eaglespec.bench.runner import RunSettings, run_benchmark
+from eaglespec.config import TreeConfig
+from eaglespec.draft.loader import load_eagle3
+from eaglespec.draft.proposer import Eagle3Proposer
+from eaglespec.model.loader import load_model
+from eaglespec.model.quant import quantize_model
+from eaglespec.registry import resolve_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--questions", nargs="+", required=True)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--draft", default="src/eaglespec/heads/smollm2-135m")
+    ap.add_argument("--modes", nargs="+", default=["w4a8", "w4a8-all"])
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-draft", type=int, default=2)
+    ap.add_argument("--tree", default="4,4,16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target-quant", default="w4a8", help="the target's (SmolLM2's default)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_model(resolve_model(args.model), dtype=torch.bfloat16, quant=args.target_quant)
+    depth, top_k, nodes = (int(x) for x in args.tree.split(","))
+    tree = TreeConfig(depth=depth, top_k=top_k, num_nodes=nodes)
+    methods = [BenchMethod("plain", None, 0, None, "plain")]
+    for mode in args.modes:
+        loaded = load_eagle3(args.draft, target.model)
+        proposer = Eagle3Proposer(quantize_model(loaded.head, mode), loaded.capture)
+        methods.append(BenchMethod(f"chain/{mode}", proposer, args.num_draft, None, mode))
+        methods.append(BenchMethod(f"tree/{mode}", proposer, args.num_draft, tree, mode))
+    questions = read_all(args.questions, args.limit)
+    settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
+    gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
+    plain = {(g.question, g.turn): g.output for g in gens if g.method == "plain"}
+    plain_tps = _decode_rate([g.output for g in gens if g.method == "plain"])
+    print(f"target {target.path.name}, {len(plain)} turns; plain {plain_tps:.1f} tokens/s")
+    print("| method | tokens a round | tokens/s | x plain | draft ms / round | lossless |")
+    print("|---|---|---|---|---|---|")
+    for m in methods[1:]:
+        outs = [g for g in gens if g.method == m.name]
+        stats = [g.output.stats for g in outs]
+        rounds = sum(s.rounds for s in stats)
+        accept = (sum(s.accepted_tokens for s in stats) + rounds) / rounds
+        draft_ms = 1e3 * sum(s.draft_seconds for s in stats) / rounds
+        same = sum(g.output.token_ids == plain[(g.question, g.turn)].token_ids for g in outs)
+        tps = _decode_rate([g.output for g in outs])
+        print(
+            f"| {m.name} | {accept:.3f} | {tps:.1f} | {tps / plain_tps:.2f}x | {draft_ms:.2f} "
+            f"| {same}/{len(outs)} |"
+        )
+    per_turn = [
+        g.output.stats.tokens_per_second for g in gens if g.method == "plain" and g.output.stats
+    ]
+    print(f"plain per turn: median {statistics.median(per_turn):.1f} tokens/s")
+
+
+def _decode_rate(outputs: list) -> float:
+    """Tokens after each first over decode seconds, summed over the generations."""
+    tokens = sum(o.stats.new_tokens - 1 for o in outputs)
+    return tokens / sum(o.stats.decode_seconds for o in outputs)
+
+
+if __name__ == "__main__":
+    main()
