@@ -1,0 +1,82 @@
+"""Adaptive speculation's settings A/B in one process: the fixed chain of one with prompt lookup
+against adaptive policies of given longest chains and margins, methods interleaved per question
+over the same target, head and questions (bench/runner.py).
+
+    python benchmarks/policy_ab.py --questions ../shared/data/eval/*.jsonl \\
+        [--arms 4:0.05 4:0 2:0] [--lookup-tokens 4] [--limit 4] [--max-tokens 128] [--threads 2]
+
+An arm MAX:MARGIN is AdaptiveDraft(MAX, measure_tokens=True, margin=MARGIN), what the commands
+run with MAX = --draft-tokens (4) and MARGIN 0.05. Per method: tokens a round, speed over plain
+decoding (new tokens over prefill + decode seconds, summed) and whether every output equals plain
+greedy decoding's. SmolLM2 and its shipped head at the default precision (bf16 w4a8).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from eaglespec.bench.lineup import BenchMethod
+from eaglespec.bench.memory import memory_meter
+from eaglespec.bench.questions import read_all
+from eaglespec.bench.runner import Generation, RunSettings, run_benchmark
+from eaglespec.heads import packaged_head
+from eaglespec.methods import make_proposer
+from eaglespec.model.loader import load_model
+from eaglespec.policy import AdaptiveDraft
+from eaglespec.registry import resolve_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--questions", nargs="+", required=True)
+    ap.add_argument("--arms", nargs="+", default=["4:0.05", "4:0", "2:0"], help="MAX:MARGIN")
+    ap.add_argument("--lookup-tokens", type=int, default=4)
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_model(resolve_model("smollm2-135m"), dtype=torch.bfloat16, quant="w4a8")
+    head = str(packaged_head("smollm2-135m"))
+    spec = make_proposer(
+        "eagle3", head, target, quant="w4a8", progress=False, lookup_tokens=args.lookup_tokens
+    )
+    methods = [
+        BenchMethod("plain", None, 0, None, "plain decoding"),
+        BenchMethod("chain of 1 + lookup", spec.proposer, 1, None, "fixed"),
+    ]
+    for arm in args.arms:
+        longest, margin = arm.split(":")
+        policy = AdaptiveDraft(int(longest), measure_tokens=True, margin=float(margin))
+        name = f"adaptive {longest}:{margin}"
+        methods.append(BenchMethod(name, spec.proposer, int(longest), None, name, policy))
+    questions = read_all(args.questions, args.limit)
+    settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
+    gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
+    plain = {(g.question, g.turn): g.output.token_ids for g in gens if g.method == "plain"}
+    base = _rate([g for g in gens if g.method == "plain"])
+    print(f"{len(plain)} turns, plain {base:.1f} tokens/s")
+    print("| method | tokens a round | x plain | lossless |")
+    print("|---|---|---|---|")
+    for m in methods[1:]:
+        outs = [g for g in gens if g.method == m.name]
+        rounds = sum(g.output.stats.rounds for g in outs)
+        accepted = sum(g.output.stats.accepted_tokens for g in outs)
+        same = sum(g.output.token_ids == plain[(g.question, g.turn)] for g in outs)
+        print(
+            f"| {m.name} | {(accepted + rounds) / rounds:.3f} | {_rate(outs) / base:.3f}x "
+            f"| {same}/{len(outs)} |"
+        )
+
+
+def _rate(gens: list[Generation]) -> float:
+    """New tokens over prefill + decode seconds, summed over the generations."""
+    stats = [g.output.stats for g in gens]
+    seconds = sum(s.prefill_seconds + s.decode_seconds for s in stats)
+    return sum(s.new_tokens for s in stats) / seconds
+
+
+if __name__ == "__main__":
+    main()
