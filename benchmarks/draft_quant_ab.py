@@ -6,8 +6,9 @@ questions and turns, methods interleaved per question (bench/runner.py).
         [--draft src/eaglespec/heads/smollm2-135m] [--modes w4a8 w4a8-all] [--limit 4]
         [--max-tokens 128] [--num-draft 2] [--tree 4,4,16] [--threads 2]
 
-Per mode and shape: tokens a round, decode tokens/s and its ratio to plain decoding's, draft
-milliseconds per round, and whether every output equals plain greedy decoding's. The target
+Per mode and shape (bench/aggregate.py's definitions): tokens a round, decode tokens/s and its
+ratio to plain decoding's, draft milliseconds per round, and whether every output equals plain
+greedy decoding's. The target
 runs in bf16 at `--target-quant` (w4a8: SmolLM2's default precision).
 """
 
@@ -18,7 +19,8 @@ import statistics
 
 import torch
 
-from eaglespec.bench.lineup import BenchMethod
+from eaglespec.bench.aggregate import method_stats
+from eaglespec.bench.lineup import PLAIN, BenchMethod
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
 from eaglespec.bench.runner import RunSettings, run_benchmark
@@ -47,7 +49,7 @@ def main() -> None:
     target = load_model(resolve_model(args.model), dtype=torch.bfloat16, quant=args.target_quant)
     depth, top_k, nodes = (int(x) for x in args.tree.split(","))
     tree = TreeConfig(depth=depth, top_k=top_k, num_nodes=nodes)
-    methods = [BenchMethod("plain", None, 0, None, "plain")]
+    methods = [BenchMethod(PLAIN, None, 0, None, "plain")]
     for mode in args.modes:
         loaded = load_eagle3(args.draft, target.model)
         proposer = Eagle3Proposer(quantize_model(loaded.head, mode), loaded.capture)
@@ -56,33 +58,28 @@ def main() -> None:
     questions = read_all(args.questions, args.limit)
     settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
-    plain = {(g.question, g.turn): g.output for g in gens if g.method == "plain"}
-    plain_tps = _decode_rate([g.output for g in gens if g.method == "plain"])
-    print(f"target {target.path.name}, {len(plain)} turns; plain {plain_tps:.1f} tokens/s")
+    plain = [g for g in gens if g.method == PLAIN]
+    base = method_stats(plain, plain, questions, drafting=False, greedy=True)
+    print(
+        f"target {target.path.name}, {len(plain)} turns; "
+        f"plain {base.decode_tokens_per_second:.1f} tokens/s"
+    )
     print("| method | tokens a round | tokens/s | x plain | draft ms / round | lossless |")
     print("|---|---|---|---|---|---|")
     for m in methods[1:]:
-        outs = [g for g in gens if g.method == m.name]
-        stats = [g.output.stats for g in outs]
-        rounds = sum(s.rounds for s in stats)
-        accept = (sum(s.accepted_tokens for s in stats) + rounds) / rounds
-        draft_ms = 1e3 * sum(s.draft_seconds for s in stats) / rounds
-        same = sum(g.output.token_ids == plain[(g.question, g.turn)].token_ids for g in outs)
-        tps = _decode_rate([g.output for g in outs])
-        print(
-            f"| {m.name} | {accept:.3f} | {tps:.1f} | {tps / plain_tps:.2f}x | {draft_ms:.2f} "
-            f"| {same}/{len(outs)} |"
+        got = method_stats(
+            [g for g in gens if g.method == m.name], plain, questions, drafting=True, greedy=True
         )
-    per_turn = [
-        g.output.stats.tokens_per_second for g in gens if g.method == "plain" and g.output.stats
-    ]
+        tps = got.decode_tokens_per_second
+        assert got.mean_accept_length is not None and got.round_time is not None
+        check = got.lossless
+        print(
+            f"| {m.name} | {got.mean_accept_length:.3f} | {tps:.1f} | "
+            f"{tps / base.decode_tokens_per_second:.2f}x | {got.round_time.draft_ms:.2f} "
+            f"| {check.compared - check.mismatches}/{check.compared} |"
+        )
+    per_turn = [g.output.stats.tokens_per_second for g in plain]
     print(f"plain per turn: median {statistics.median(per_turn):.1f} tokens/s")
-
-
-def _decode_rate(outputs: list) -> float:
-    """Tokens after each first over decode seconds, summed over the generations."""
-    tokens = sum(o.stats.new_tokens - 1 for o in outputs)
-    return tokens / sum(o.stats.decode_seconds for o in outputs)
 
 
 if __name__ == "__main__":

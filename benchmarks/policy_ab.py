@@ -8,7 +8,8 @@ over the same target, head and questions (bench/runner.py).
 An arm MAX:MARGIN is AdaptiveDraft(MAX, measure_tokens=True, margin=MARGIN), what the commands
 run with MAX = --draft-tokens (4) and MARGIN 0.05. Per method: tokens a round, speed over plain
 decoding (new tokens over prefill + decode seconds, summed) and whether every output equals plain
-greedy decoding's. SmolLM2 and its shipped head at the default precision (bf16 w4a8).
+greedy decoding's (bench/aggregate.py's definitions). SmolLM2 and its shipped head at the
+default precision (bf16 w4a8).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import argparse
 
 import torch
 
-from eaglespec.bench.lineup import BenchMethod
+from eaglespec.bench.aggregate import method_stats
+from eaglespec.bench.lineup import PLAIN, BenchMethod
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
-from eaglespec.bench.runner import Generation, RunSettings, run_benchmark
+from eaglespec.bench.runner import RunSettings, run_benchmark
 from eaglespec.heads import packaged_head
 from eaglespec.methods import make_proposer
 from eaglespec.model.loader import load_model
@@ -44,7 +46,7 @@ def main() -> None:
         "eagle3", head, target, quant="w4a8", progress=False, lookup_tokens=args.lookup_tokens
     )
     methods = [
-        BenchMethod("plain", None, 0, None, "plain decoding"),
+        BenchMethod(PLAIN, None, 0, None, "plain decoding"),
         BenchMethod("chain of 1 + lookup", spec.proposer, 1, None, "fixed"),
     ]
     for arm in args.arms:
@@ -55,27 +57,21 @@ def main() -> None:
     questions = read_all(args.questions, args.limit)
     settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
-    plain = {(g.question, g.turn): g.output.token_ids for g in gens if g.method == "plain"}
-    base = _rate([g for g in gens if g.method == "plain"])
-    print(f"{len(plain)} turns, plain {base:.1f} tokens/s")
+    plain = [g for g in gens if g.method == PLAIN]
+    base = method_stats(plain, plain, questions, drafting=False, greedy=True)
+    print(f"{len(plain)} turns, plain {base.tokens_per_second:.1f} tokens/s")
     print("| method | tokens a round | x plain | lossless |")
     print("|---|---|---|---|")
     for m in methods[1:]:
-        outs = [g for g in gens if g.method == m.name]
-        rounds = sum(g.output.stats.rounds for g in outs)
-        accepted = sum(g.output.stats.accepted_tokens for g in outs)
-        same = sum(g.output.token_ids == plain[(g.question, g.turn)] for g in outs)
-        print(
-            f"| {m.name} | {(accepted + rounds) / rounds:.3f} | {_rate(outs) / base:.3f}x "
-            f"| {same}/{len(outs)} |"
+        got = method_stats(
+            [g for g in gens if g.method == m.name], plain, questions, drafting=True, greedy=True
         )
-
-
-def _rate(gens: list[Generation]) -> float:
-    """New tokens over prefill + decode seconds, summed over the generations."""
-    stats = [g.output.stats for g in gens]
-    seconds = sum(s.prefill_seconds + s.decode_seconds for s in stats)
-    return sum(s.new_tokens for s in stats) / seconds
+        assert got.mean_accept_length is not None and got.speedup is not None
+        check = got.lossless
+        print(
+            f"| {m.name} | {got.mean_accept_length:.3f} | {got.speedup:.3f}x "
+            f"| {check.compared - check.mismatches}/{check.compared} |"
+        )
 
 
 if __name__ == "__main__":
