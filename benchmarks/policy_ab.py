@@ -3,12 +3,14 @@ against adaptive policies of given longest chains and margins, methods interleav
 over the same target, head and questions (bench/runner.py).
 
     python benchmarks/policy_ab.py --questions ../shared/data/eval/*.jsonl \\
-        [--arms 4:0.05 4:0 2:0] [--lookup-tokens 4] [--limit 4] [--max-tokens 128] [--threads 2]
+        [--model smollm2-135m] [--arms 4:0.05 4:0 2:0] [--lookup-tokens 4] [--limit 4] \\
+        [--max-tokens 128] [--threads 2]
 
 An arm MAX:MARGIN is AdaptiveDraft(MAX, measure_tokens=True, margin=MARGIN), what the commands
-run with MAX = --draft-tokens (4) and MARGIN 0.05. Per method: tokens a round, speed over plain
-decoding (new tokens over prefill + decode seconds, summed) and whether every output equals plain
-greedy decoding's (bench/aggregate.py's definitions). SmolLM2 and its shipped head at the
+run with MAX = --draft-tokens (2) and MARGIN 0 (4 and 0.05 before session 34). Per method:
+tokens a round, speed over plain decoding (new tokens over prefill + decode seconds, summed) and
+whether every output equals plain greedy decoding's (bench/aggregate.py's definitions). The
+model (a registry name with a shipped head: SmolLM2 by default) and its shipped head at the
 default precision (bf16 w4a8).
 """
 
@@ -33,6 +35,7 @@ from eaglespec.registry import resolve_model
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", nargs="+", required=True)
+    ap.add_argument("--model", default="smollm2-135m", help="a registry name with a shipped head")
     ap.add_argument("--arms", nargs="+", default=["4:0.05", "4:0", "2:0"], help="MAX:MARGIN")
     ap.add_argument("--lookup-tokens", type=int, default=4)
     ap.add_argument("--limit", type=int, default=4)
@@ -40,10 +43,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_model(resolve_model("smollm2-135m"), dtype=torch.bfloat16, quant="w4a8")
-    head = str(packaged_head("smollm2-135m"))
+    target = load_model(resolve_model(args.model), dtype=torch.bfloat16, quant="w4a8")
+    head = packaged_head(args.model)
+    if head is None:
+        raise SystemExit(f"no head ships for {args.model}")
     spec = make_proposer(
-        "eagle3", head, target, quant="w4a8", progress=False, lookup_tokens=args.lookup_tokens
+        "eagle3", str(head), target, quant="w4a8", progress=False, lookup_tokens=args.lookup_tokens
     )
     methods = [
         BenchMethod(PLAIN, None, 0, None, "plain decoding"),

@@ -142,3 +142,19 @@ def test_measured_tokens_credit_what_a_graft_lands() -> None:
     assert isinstance(taught, AdaptiveDraft) and taught.measure_tokens
     taught.record(chain, 1, 0.01, 2.5)  # a calibration's measurement
     assert taught.expected_tokens(chain) == 2.5
+
+
+def test_no_margin_over_zero_draft_rounds_that_draft_lookups() -> None:
+    """A chain of 1 measured 2% faster than zero-draft rounds: without grafts the zero-draft arm
+    is plain decoding and a drafting arm must beat it by the 5% margin; with lookup grafted in
+    the zero-draft round drafts too, there is no margin, and the faster arm wins."""
+    plain, chain = DraftChoice(0), DraftChoice(1)
+    for grafts, want in ((False, plain), (True, chain)):
+        policy = make_policy("adaptive", 1, None, True, grafts=grafts)
+        assert isinstance(policy, AdaptiveDraft)
+        policy.record(plain, 1, 0.010, 2.5)  # lookup alone: 2.5 tokens (plain decoding: 1)
+        policy.record(chain, 1, 0.010, 3.0)
+        seconds = policy.expected_tokens(chain) / (1.02 * policy.rate(plain, 1))
+        policy.record(chain, 1, seconds, 3.0)
+        assert policy.rate(chain, 1) == pytest.approx(1.02 * policy.rate(plain, 1))
+        assert policy.choose(1) == want

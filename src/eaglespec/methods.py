@@ -43,8 +43,11 @@ def resolve_method(
     return method, draft, lookup_tokens
 
 
-# Draft tokens a chain may have at most (the adaptive policy's longest arm), --draft-tokens
-DEFAULT_DRAFT_TOKENS = 4
+# Draft tokens a chain may have at most (the adaptive policy's longest arm), --draft-tokens.
+# 2, not 4: with lookup grafted in, chains of 3-4 rarely pay on 2 cores and the policy's probes
+# of them cost rounds; 0-2 measured level with or faster than 0-4 on SmolLM2 and Qwen2.5-Coder
+# (benchmarks/policy_ab.py, BENCHMARKS.md).
+DEFAULT_DRAFT_TOKENS = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,10 @@ power-of-two bucket of B, since verifying k + 1 tokens for B rows costs more as 
 tree configured beside the chains is one more arm with its own measured tokens per round.
 
 k = 0 is a plain decoding step (the draft only catches up), so drafting stops when no k > 0
-beats it by a margin (5%, so that round-time noise alone does not move it off plain steps). Arms
+beats it by a margin (5%, so that round-time noise alone does not move it off plain steps). With
+a proposer that grafts its own candidates into every round (prompt lookup, `grafts`), k = 0 is a
+speculative round too and the margin is 0: a 5% lean towards it measured 2-7% slower on SmolLM2's
+six sets (benchmarks/policy_ab.py, BENCHMARKS.md). Arms
 never measured at a batch bucket are tried before their costs are trusted, twice: the first
 round of an arm at a bucket is a warm-up whose time is not kept (first calls allocate, and a
 compiled step compiles that shape), and while
@@ -32,6 +35,8 @@ from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
 
 SPECULATION_MODES = ("adaptive", "on", "off")
+# How much faster than plain decoding steps a drafting arm must look (a tolerance for noise)
+PLAIN_MARGIN = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +107,7 @@ class AdaptiveDraft:
         smoothing: float = 0.2,
         forget: float = 0.995,
         probe_every: int = 32,
-        margin: float = 0.05,
+        margin: float = PLAIN_MARGIN,
         measure_tokens: bool = False,
     ) -> None:
         """`measure_tokens`: every arm's tokens per round is its measured moving average, not
@@ -119,7 +124,7 @@ class AdaptiveDraft:
         self.smoothing = smoothing  # weight of a new round time in its moving average
         self.forget = forget  # per-row decay of the acceptance counts
         self.probe_every = probe_every
-        self.margin = margin  # how much faster than plain steps a drafting arm must look
+        self.margin = margin  # how much faster than the zero-draft arm a drafting arm must look
         self.proposed = [0.0] * max_draft  # [j]: rows that proposed >= j + 1 (decayed)
         self.accepted = [0.0] * max_draft  # [j]: rows that accepted >= j + 1 (decayed)
         self.rounds_without_drafts = 0
@@ -250,7 +255,8 @@ def make_policy(
 ) -> DraftPolicy:
     """`mode` "adaptive", "on" (the configured shape every round) or "off"; without a draft only
     "off" runs. `grafts`: the proposer adds candidates to every round (measure each arm's
-    tokens, AdaptiveDraft's `measure_tokens`)."""
+    tokens, AdaptiveDraft's `measure_tokens`, and no margin over the zero-draft arm, which then
+    drafts too)."""
     if mode not in SPECULATION_MODES:
         raise InvalidRequestError(
             f"unknown speculation mode '{mode}' (choose from {', '.join(SPECULATION_MODES)})"
@@ -259,7 +265,8 @@ def make_policy(
         return FixedDraft(DraftChoice(0))
     if mode == "on":
         return FixedDraft(DraftChoice(num_draft, tree))
-    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=grafts)
+    margin = 0.0 if grafts else PLAIN_MARGIN
+    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=grafts, margin=margin)
 
 
 def _bucket(batch: int) -> int:
