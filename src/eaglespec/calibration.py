@@ -37,7 +37,7 @@ import torch
 from eaglespec.config import SamplingParams
 from eaglespec.draft.base import GraftingProposer
 from eaglespec.paths import cache_dir
-from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft
+from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft, make_policy
 from eaglespec.registry import sha256_file
 from eaglespec.requests import collect_outputs
 
@@ -216,7 +216,9 @@ def calibrate(
     holding the measurements and one row per arm."""
     assert llm.proposer is not None, "calibration needs a draft"
     grafts = isinstance(llm.proposer, GraftingProposer)
-    policy = AdaptiveDraft(max(1, llm.num_draft), llm.tree, measure_tokens=grafts)
+    # The policy the commands run for this draft (make_policy decides its arms and settings)
+    policy = make_policy("adaptive", llm.num_draft, llm.tree, True, grafts=grafts)
+    assert isinstance(policy, AdaptiveDraft)
     params = SamplingParams(max_tokens=max_tokens)
     rows = []
     collect_outputs(llm.stream([prompts[0]], SamplingParams(max_tokens=8)))  # warm-up
