@@ -60,8 +60,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         choices=sorted(STARTER_MIXES),
         help="begin each self-asked prompt with a starter of this mix (train/synth.py): tasks "
         "(code, math, questions, writing, a text to summarise or rewrite, instructions) or code "
-        "(writing, completing, explaining and fixing code in several languages): nearer what "
-        "users ask than the model's own turns",
+        "(writing, completing, explaining and fixing code in several languages) or general "
+        "(short instructions, questions, writing and rewriting; a quarter code and math): "
+        "nearer what users ask than the model's own turns",
     )
     p.add_argument(
         "--summaries",

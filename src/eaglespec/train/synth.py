@@ -6,13 +6,14 @@ Two kinds, both from the target alone (no outside data, never the evaluation set
   a user message, with nothing after it, is a context in which an instruction-tuned model writes
   the kind of request it was tuned on. Sampled at temperature 1, one per seed, these cover open
   writing, advice, QA and code far more widely than a few hundred seed tasks.
-  With `starters` (`--synth-steer tasks|code`), each seed's user turn begins with one of a mix of
-  starters, chosen by the seed, and the model writes the rest: the mix is steered towards the
-  kinds of requests users make of an assistant (STARTERS: code, math, questions, writing,
-  rewriting or summarising a text the request itself holds, multi-step instructions; or
+  With `starters` (`--synth-steer tasks|code|general`), each seed's user turn begins with one of
+  a mix of starters, chosen by the seed, and the model writes the rest: the mix is steered
+  towards the kinds of requests users make of an assistant (STARTERS: code, math, questions,
+  writing, rewriting or summarising a text the request itself holds, multi-step instructions;
   CODE_STARTERS: writing, completing, explaining and fixing code in several languages, with a
-  quarter general requests) instead of wherever the model's own turns drift. The starters are
-  generic openings written for this purpose, not taken from any set.
+  quarter general requests; or GENERAL_STARTERS: short instructions, questions and advice,
+  writing and rewriting, with a quarter code and math) instead of wherever the model's own turns
+  drift. The starters are generic openings written for this purpose, not taken from any set.
 - **Summaries of its own answers**: "Summarize: <text>" over the longest regenerated responses,
   so the head also learns summarization, where the answer copies from a long context.
 - **Completions of its own code**: "Complete the code I provided." over the Python functions of
@@ -126,7 +127,47 @@ CODE_STARTERS = (
     Starter("Summarize the following article:\n\n", _TEXT),
     Starter("Give me three tips for"),
 )
-STARTER_MIXES = {"tasks": STARTERS, "code": CODE_STARTERS}  # `--synth-steer MIX`
+GENERAL_STARTERS = (
+    # short instructions of the kind assistants are tuned on
+    Starter("Rewrite the following sentence"),
+    Starter("Give an example of"),
+    Starter("Generate a list of"),
+    Starter("Suggest"),
+    Starter("Explain the concept of"),
+    Starter("Classify the following"),
+    Starter("Create a"),
+    Starter("Name three"),
+    Starter("Brainstorm"),
+    Starter("Edit this sentence"),
+    Starter("Translate"),
+    Starter("Identify"),
+    # questions and advice
+    Starter("What are the benefits of"),
+    Starter("What is the best way to"),
+    Starter("How can I"),
+    Starter("Why is"),
+    Starter("Can you explain"),
+    Starter("What should I"),
+    # writing, and a text given in the request
+    Starter("Write a paragraph about"),
+    Starter("Write a letter to"),
+    Starter("Write a product description for"),
+    Starter("Rewrite this paragraph to be more concise:\n\n", _TEXT),
+    Starter("Summarize the following article:\n\n", _TEXT),
+    Starter("Give me feedback on this essay:\n\n", _TEXT),
+    # a quarter code and math
+    Starter("Write a Python function that"),
+    Starter("Explain what this code does:\n\n```python\n", _TEXT),
+    Starter("How do I"),
+    Starter("Solve this problem step by step:"),
+    Starter("A word problem:"),
+    Starter("Calculate"),
+)
+STARTER_MIXES = {  # `--synth-steer MIX`
+    "tasks": STARTERS,
+    "code": CODE_STARTERS,
+    "general": GENERAL_STARTERS,
+}
 
 
 @dataclass(frozen=True, slots=True)
