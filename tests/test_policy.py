@@ -158,3 +158,4 @@ def test_no_margin_over_zero_draft_rounds_that_draft_lookups() -> None:
         policy.record(chain, 1, seconds, 3.0)
         assert policy.rate(chain, 1) == pytest.approx(1.02 * policy.rate(plain, 1))
         assert policy.choose(1) == want
+        assert policy.best(1) == want  # what calibration stores and reports as the best arm

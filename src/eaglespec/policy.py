@@ -148,10 +148,7 @@ class AdaptiveDraft:
         for c in self.choices:  # explore: every arm is timed once per batch bucket
             if bucket not in self.arms[c].seconds:
                 return c
-        best = max(self.choices, key=lambda c: self.rate(c, bucket))
-        plain = self.choices[0]
-        if self.rate(best, bucket) < (1 + self.margin) * self.rate(plain, bucket):
-            best = plain  # drafting must beat plain steps clearly, not within round-time noise
+        best = self._pick(bucket)
         if best.num_draft == 0 and best.tree is None:
             self.rounds_without_drafts += 1
             if self.rounds_without_drafts >= self.probe_every:  # refresh the acceptance estimate
@@ -163,12 +160,22 @@ class AdaptiveDraft:
         return best
 
     def best(self, batch: int) -> DraftChoice | None:
-        """The measured arm with the highest expected rate at this batch size (no exploring or
-        probing); None while some arm is unmeasured there."""
+        """The arm this policy runs at this batch size once it has measured them all (its
+        choice without exploring or probing, the margin over zero-draft rounds applied); None
+        while some arm is unmeasured there."""
         bucket = _bucket(batch)
         if any(bucket not in self.arms[c].seconds for c in self.choices):
             return None
-        return max(self.choices, key=lambda c: self.rate(c, bucket))
+        return self._pick(bucket)
+
+    def _pick(self, bucket: int) -> DraftChoice:
+        """The highest expected rate, unless it beats the zero-draft arm by less than the
+        margin (every arm measured at `bucket`)."""
+        best = max(self.choices, key=lambda c: self.rate(c, bucket))
+        plain = self.choices[0]
+        if self.rate(best, bucket) < (1 + self.margin) * self.rate(plain, bucket):
+            best = plain  # drafting must beat plain steps clearly, not within round-time noise
+        return best
 
     def rate(self, choice: DraftChoice, bucket: int) -> float:
         """Expected tokens per row per second at this batch bucket (measured arms only)."""
