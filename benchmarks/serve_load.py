@@ -21,6 +21,7 @@ import json
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -132,11 +133,12 @@ def main() -> None:
     from server_fixtures import running_server  # tests/ helper: uvicorn in a thread
 
     draft = args.draft or str(packaged_head(args.model) or "")
-    llm = LLM(
-        str(resolve_model(args.model)), dtype=args.dtype, quant=args.quant,
+    engine = ThreadPoolExecutor(max_workers=1)  # loads and decodes, as `eaglespec serve` does
+    llm = engine.submit(
+        LLM, str(resolve_model(args.model)), dtype=args.dtype, quant=args.quant,
         compile=args.compile, device=args.device, method="eagle3", draft=draft,
         num_draft=args.draft_tokens,
-    )  # fmt: skip
+    ).result()  # fmt: skip
     levels = int_list(args.clients, "--clients")
     rows = []
     print(f"model {args.model}, draft {draft}, {args.device}, dtype {llm.loaded.precision.dtype}, "
@@ -146,7 +148,8 @@ def main() -> None:
     print("| speculation | clients | tok/s | TTFT p50 ms | TPOT ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
-        app = create_app(llm, ServeOptions(served_name="m", max_seqs=max(levels), speculation=mode))
+        options = ServeOptions(served_name="m", max_seqs=max(levels), speculation=mode)
+        app = create_app(llm, options, engine=engine)
         with running_server(app) as url:
             one_request(url, "m", "Hello!", 8)  # warm-up
             for clients in levels:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,12 +96,16 @@ def _union_branch(loc: object) -> bool:
 
 
 def create_app(
-    llm: LLM, options: ServeOptions, on_stop: Callable[[], None] | None = None
+    llm: LLM,
+    options: ServeOptions,
+    on_stop: Callable[[], None] | None = None,
+    engine: Executor | None = None,
 ) -> FastAPI:
     """An app serving `llm` (its proposer, num_draft and tree set the speculation). `on_stop`
     runs at shutdown once the engine thread has ended (serve keeps the adaptive policy's
     calibration there: uvicorn ends a SIGTERM'd process by re-raising the signal after its
-    shutdown, so code after `uvicorn.run` never runs then)."""
+    shutdown, so code after `uvicorn.run` never runs then). `engine`: the one-worker executor
+    that loaded `llm`, to decode on the same thread (scheduler.py says why)."""
     proposer = llm.proposer or NoDraft()
     tree: TreeConfig | None = llm.tree
     check_speculation(proposer, [SamplingParams()], tree)
@@ -130,6 +135,7 @@ def create_app(
         max_seqs=options.max_seqs,
         max_queue=options.max_queue,
         prefill_chunk=options.prefill_chunk,
+        engine=engine,
     )
 
     @asynccontextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglespec.calibration import CalibrationStore
@@ -51,7 +52,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag in ("port", "prefill_chunk") else 1):
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    llm = load_llm(args, progress=True)
+    # One thread loads the model, warms it up and decodes with it (serve/scheduler.py says why a
+    # second thread's OpenMP team halves a CPU stream's speed); the main thread serves HTTP.
+    engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eaglespec-engine")
+    llm = engine.submit(load_llm, args, progress=True).result()
     print(precision_line(llm), file=sys.stderr)
     if llm.draft_report:
         print(f"[{llm.method}: {llm.draft_report}]", file=sys.stderr)
@@ -68,10 +72,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     calibration = CalibrationStore.open(llm, lambda line: print(line, file=sys.stderr))
     if llm.compile != "none":  # compile before serving: one batch of one and one of two
         print("[compiling the decode steps: warm-up generations]", file=sys.stderr)
-        llm.warm_up("Hello", batch_sizes=(1, 2))
+        engine.submit(llm.warm_up, "Hello", batch_sizes=(1, 2)).result()
     # What serving taught the policy, per batch size, is kept for the next start, at shutdown
     # (Ctrl-C or SIGTERM alike: create_app's on_stop).
-    app = create_app(llm, options, on_stop=calibration.save)
+    app = create_app(llm, options, on_stop=calibration.save, engine=engine)
     url = f"http://{args.host}:{args.port}"
     print(f"[chat page: {url}/  OpenAI API: {url}/v1]", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -6,6 +6,14 @@ round for the whole batch with the draft shape the policy picks for this batch s
 arrive from any thread through `submit`; their events go back through each submission's
 `deliver` callback, called on the engine thread (the app hands them to its event loop).
 
+The engine loop runs on the thread that loaded the model when the server is given one (`engine`,
+a one-worker executor: `eaglespec serve` loads, warms up and decodes on it). On a CPU this is
+what keeps one stream as fast as `generate`: OpenMP gives each thread that opens a parallel
+region its own team of workers, and once a second team exists (the loading thread's, beside the
+decoding thread's) libgomp counts more threads than cores and stops spinning between regions,
+so every one of the hundreds of regions in a step waits for a worker to wake (SmolLM2 decoded
+in another thread than the one that loaded it: 0.45x the tokens/s, benchmarks/serve_stream.py).
+
 Admission: at most `max_queue` requests wait; past that `submit` raises `QueueFullError` (the
 app answers 429 with Retry-After). Each request's KV room (prompt + max_tokens + one round of
 drafts) is reserved when it joins, and the app refuses requests that cannot fit the context.
@@ -18,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import torch
@@ -62,10 +71,13 @@ class Scheduler:
         max_seqs: int,
         max_queue: int,
         prefill_chunk: int | None = None,
+        engine: Executor | None = None,
     ) -> None:
         """`prefill_chunk`: newcomers' prompts are prefilled this many tokens per engine step,
         with a round of the running batch after each chunk, so a long prompt does not stall
-        the streams already running (None: each group in one forward)."""
+        the streams already running (None: each group in one forward). `engine`: run the loop
+        on this one-worker executor's thread, the one that loaded the model (None: a thread of
+        its own)."""
         self.runner = runner
         self.prefill_chunk = prefill_chunk
         self._prefill: Prefill | None = None  # newcomers being prefilled, in chunks
@@ -81,12 +93,17 @@ class Scheduler:
         self._closing = False
         self._deadline = float("inf")  # perf_counter after which running requests are cancelled
         self._ids = itertools.count()
+        self._engine = engine
         self._thread = threading.Thread(target=self._loop, name="eaglespec-engine", daemon=True)
+        self._running_loop: Future[None] | None = None  # the loop, when on `engine`
 
     # --- any thread -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        if self._engine is not None:
+            self._running_loop = self._engine.submit(self._loop)
+        else:
+            self._thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams, deliver: Deliver) -> Submission:
         with self._cond:
@@ -125,7 +142,9 @@ class Scheduler:
             self._closing = True
             self._deadline = time.perf_counter() + grace
             self._cond.notify()
-        if self._thread.is_alive():
+        if self._running_loop is not None:
+            self._running_loop.result()
+        elif self._thread.is_alive():
             self._thread.join()
 
     def set_policy(self, policy: FixedDraft | AdaptiveDraft) -> None:
