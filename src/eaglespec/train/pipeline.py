@@ -250,10 +250,13 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
     )
     if init is not None:
         rows = init_head(head, init, capture)
-        log(
-            f"train: continuing from the head in {cfg.init_from} ({rows} of {len(vocab.ids)} "
-            "lm_head rows carried over; the rest start from the target's, mapped onto its scale)"
+        rows_note = (
+            "its lm_head the target's own rows, frozen"
+            if head.lm_head_is_target_rows
+            else f"{rows} of {len(vocab.ids)} lm_head rows carried over; the rest start from "
+            "the target's, mapped onto its scale"
         )
+        log(f"train: continuing from the head in {cfg.init_from} ({rows_note})")
     curve: list[dict[str, Any]] = []
     heldout_curve: list[dict[str, Any]] = []
     meter = Meter("train", "steps", log, every=60.0)
