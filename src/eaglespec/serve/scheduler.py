@@ -94,16 +94,17 @@ class Scheduler:
         self._deadline = float("inf")  # perf_counter after which running requests are cancelled
         self._ids = itertools.count()
         self._engine = engine
-        self._thread = threading.Thread(target=self._loop, name="eaglespec-engine", daemon=True)
-        self._running_loop: Future[None] | None = None  # the loop, when on `engine`
+        self._loop_run: Future[None] | threading.Thread | None = None  # the loop, once started
 
     # --- any thread -----------------------------------------------------------------------------
 
     def start(self) -> None:
         if self._engine is not None:
-            self._running_loop = self._engine.submit(self._loop)
+            self._loop_run = self._engine.submit(self._loop)
         else:
-            self._thread.start()
+            thread = threading.Thread(target=self._loop, name="eaglespec-engine", daemon=True)
+            thread.start()
+            self._loop_run = thread
 
     def submit(self, prompt: list[int], params: SamplingParams, deliver: Deliver) -> Submission:
         with self._cond:
@@ -142,10 +143,10 @@ class Scheduler:
             self._closing = True
             self._deadline = time.perf_counter() + grace
             self._cond.notify()
-        if self._running_loop is not None:
-            self._running_loop.result()
-        elif self._thread.is_alive():
-            self._thread.join()
+        if isinstance(self._loop_run, threading.Thread):
+            self._loop_run.join()
+        elif self._loop_run is not None:
+            self._loop_run.result()
 
     def set_policy(self, policy: FixedDraft | AdaptiveDraft) -> None:
         """Rounds from the next one on take their shapes from `policy`."""
