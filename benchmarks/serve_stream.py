@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from serve_load import one_request  # benchmarks/: the same streamed request and its timings
 
 PROMPTS = [
     "Explain why the sky is blue.",
@@ -62,29 +63,10 @@ def serve_rates(model: str, n_threads: int) -> list[float]:
             except httpx.HTTPError:
                 time.sleep(0.5)
         rates = []
-        with httpx.Client(timeout=600) as c:
-            for i, p in enumerate(PROMPTS * 2):  # the first pass warms up
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": p}],
-                    "max_tokens": 128,
-                    "temperature": 0,
-                    "stream": True,
-                    "ignore_eos": True,
-                    "stream_options": {"include_usage": True},
-                }
-                first, n = None, 0
-                with c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        d = json.loads(line[6:])
-                        if d.get("usage"):
-                            n = d["usage"]["completion_tokens"]
-                        elif d["choices"] and d["choices"][0]["delta"].get("content"):
-                            first = first or time.perf_counter()
-                if i >= len(PROMPTS):
-                    rates.append((n - 1) / (time.perf_counter() - first))
+        for i, p in enumerate(PROMPTS * 2):  # the first pass warms up
+            r = one_request(url, model, p, 128)  # serve_load's streamed chat request
+            if i >= len(PROMPTS):
+                rates.append((int(r["tokens"]) - 1) / (r["done"] - r["arrivals"][0]))
         return rates
     finally:
         server.terminate()
