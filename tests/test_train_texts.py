@@ -1,0 +1,99 @@
+"""Prompts over registry text (train/texts.py): the MediaWiki cleaner, the dump reader and the
+prompt kinds, on small inline documents and a wheel-shaped zip built here (no download)."""
+
+from __future__ import annotations
+
+import bz2
+import json
+import random
+import zipfile
+from pathlib import Path
+
+from eaglespec.train import texts
+from eaglespec.train.data import read_conversations
+
+PARA = "word " * 30  # a paragraph long enough to keep (25 words or more)
+
+MARKUP = f"""{{{{Infobox country|name=Albania {{{{nested|x}}}}}}}}
+'''Albania''' is a [[Balkans|Balkan]] country in [[Europe]].<ref name="a">Source, p. 3</ref> {PARA}
+
+[[File:Flag.svg|thumb|The [[flag]] of Albania]]
+== History ==
+The [[Illyrians]] lived here.<!-- hidden --> {PARA}
+{{| class="wikitable"
+| row || cell
+|}}
+* a list item that is dropped
+=== Economy ===
+Short.
+
+[[Category:Countries]]
+[[de:Albanien]]
+"""
+
+
+def test_wiki_plain_keeps_text_and_headings_and_drops_markup() -> None:
+    headings, paragraphs = texts.wiki_plain(MARKUP)
+    assert headings == ["History", "Economy"]
+    assert len(paragraphs) == 2  # "Short." is under 25 words
+    assert paragraphs[0].startswith("Albania is a Balkan country in Europe. word")
+    assert paragraphs[1].startswith("The Illyrians lived here. word")
+    joined = " ".join(paragraphs)
+    for residue in ("{{", "}}", "[[", "]]", "<ref", "'''", "<!--", "Category", "Flag", "wikitable"):
+        assert residue not in joined, residue
+
+
+def _page(title: str, text: str, ns: int = 0) -> str:
+    revision = f"<revision><text>{text}</text></revision>"
+    return f"<page><title>{title}</title><ns>{ns}</ns>{revision}</page>"
+
+
+def _dump(*pages: str) -> str:
+    return "<mediawiki>" + "".join(pages) + "</mediawiki>"
+
+
+def test_wiki_articles_skip_redirects_other_namespaces_and_stubs() -> None:
+    body = f"{PARA}\n\n== Geography ==\n{PARA}"
+    xml = _dump(
+        _page("Albedo", body),
+        _page("AlbaniaHistory", "#REDIRECT [[History of Albania]]"),
+        _page("Talk:Albedo", body, ns=1),
+        _page("Stub", PARA),  # one paragraph
+    )
+    articles = texts.wiki_articles(xml)
+    assert [a.title for a in articles] == ["Albedo"]
+    assert articles[0].headings == ["Geography"]
+
+
+def test_prompt_kinds_quote_the_text_and_ask_about_titles() -> None:
+    rng = random.Random(0)
+    story = "A bushfire pushed towards the town. " * 20
+    news = list(texts.news_prompts([story], rng))
+    assert len(news) == 1 and news[0][1] == "lee:0"
+    openings = [o for o, _ in texts.TEXT_OPENINGS]
+    assert any(news[0][0] == o + story for o in openings)
+    article = texts.Article("Albedo", ["Geography", "References"], [PARA] * 6)
+    wiki = list(texts.wiki_prompts([article], rng))
+    sources = [s for _, s in wiki]
+    assert sources[:2] == ["wiki:Albedo:lead", "wiki:Albedo:q"]
+    assert "Albedo" in wiki[1][0]
+    heading_qs = [p for p, s in wiki if s.endswith(":h")]
+    assert len(heading_qs) == 1 and "geography" in heading_qs[0]  # References is skipped
+    parts = [p for p, s in wiki if s.split(":")[-1].isdigit()]
+    assert len(parts) >= 1 and all(any(p.startswith(o) for o in openings) for p in parts)
+
+
+def test_build_reads_a_wheel_and_writes_prompts_the_trainer_reads(tmp_path: Path) -> None:
+    wheel = tmp_path / "gensim-0-py3-none-any.whl"
+    stories = ["First story. " * 40, "Second story. " * 40]
+    xml = _dump(_page("Albedo", f"{PARA}\n\n{PARA}\n\n{PARA}\n\n{PARA}"))
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(texts.LEE, "\n".join(stories) + "\n")
+        z.writestr(texts.WIKI, bz2.compress(xml.encode()))
+    out = tmp_path / "texts.jsonl"
+    texts.main(["--out", str(out), "--wheel", str(wheel), "--seed", "3"])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["source"] for r in records} >= {"lee:0", "lee:1", "wiki:Albedo:lead", "wiki:Albedo:q"}
+    assert records == texts.build(wheel, 3)  # seeded: the same file again
+    conversations = read_conversations(out)
+    assert [c.turns[0] for c in conversations] == [r["turns"][0] for r in records]
