@@ -4,8 +4,9 @@ short questions about a named thing.
 
 The text comes from gensim's wheel on PyPI (its test corpora, read out of the wheel, never
 installed): Lee's corpus of 300 Australian news stories (`lee_background.cor`, one story a line)
-and about 200 shortened pages of English Wikipedia (`enwiki-latest-pages-articles1...bz2`, a
-MediaWiki XML dump; redirects dropped, markup stripped by `wiki_plain`). None of it is an
+and 206 pages of a shortened English Wikipedia dump (`enwiki-latest-pages-articles1...bz2`,
+MediaWiki XML; 96 articles once redirects and stubs are dropped, markup stripped by
+`wiki_plain`). None of it is an
 evaluation set's text. Each story and article becomes prompts the way users phrase them
 (`news_prompts`, `wiki_prompts`): "Summarize: <text>" (the form of the summarisation set and of
 `--summaries`), a few other openings over the same text, and questions built from an article's
