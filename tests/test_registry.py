@@ -78,13 +78,13 @@ class Fake:
 def pip_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records the spec of every `pip download` the registry runs (the calls still happen)."""
     calls: list[str] = []
-    real = registry._pip_download
+    real = registry.pip_download
 
     def spy(spec: str, dest: Path, pip_args: tuple[str, ...]) -> Path:
         calls.append(spec)
         return real(spec, dest, pip_args)
 
-    monkeypatch.setattr(registry, "_pip_download", spy)
+    monkeypatch.setattr(registry, "pip_download", spy)
     return calls
 
 

@@ -9,6 +9,8 @@ import random
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from eaglespec.train import texts
 from eaglespec.train.data import read_conversations
 
@@ -97,3 +99,15 @@ def test_build_reads_a_wheel_and_writes_prompts_the_trainer_reads(tmp_path: Path
     assert records == texts.build(wheel, 3)  # seeded: the same file again
     conversations = read_conversations(out)
     assert [c.turns[0] for c in conversations] == [r["turns"][0] for r in records]
+
+
+def test_a_wheel_without_the_corpora_is_named_in_one_line(tmp_path: Path) -> None:
+    wheel = tmp_path / "other-0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("other/__init__.py", "")
+    out = tmp_path / "texts.jsonl"
+    with pytest.raises(SystemExit, match=r"other-0-py3-none-any\.whl: not a gensim wheel"):
+        texts.main(["--out", str(out), "--wheel", str(wheel)])
+    with pytest.raises(SystemExit, match="not a gensim wheel"):  # not there at all
+        texts.main(["--out", str(out), "--wheel", str(tmp_path / "missing.whl")])
+    assert not out.exists()  # nothing half-written

