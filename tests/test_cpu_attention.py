@@ -184,3 +184,26 @@ def test_bad_arguments_raise() -> None:
         cpu_attention.attend(q, k, v, mask.expand(-1, 9, -1, -1))  # one mask per head
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         cpu_attention.attend(q[:, :8], k, v, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", cpu_attention.HEAD_DIMS)
+def test_the_avx2_path_gives_the_avx512_bits(dtype: torch.dtype, D: int) -> None:
+    """Where the CPU has AVX-512, the AVX2 path (what x86-64-v3 CPUs run) can be asked for: it
+    gives every row the AVX-512 path's bits, unmasked, under a causal prefix mask (the shared
+    rows' path there) and under a tree's mask."""
+    ops = torch.ops.eaglespec_attention
+    if ops.use_avx2(False):
+        pytest.skip("no AVX-512 here: the AVX2 path is the only one")
+    try:
+        for T, K in ((1, 150), (3, 37), (17, 300)):
+            q, k, v, mask = _inputs(dtype, T=T, K=K, D=D)
+            causal = torch.ones(T, K, dtype=torch.bool).tril(K - T)[None, None].expand(2, 1, T, K)
+            for m in (None, causal.contiguous(), mask):
+                got = []
+                for avx2 in (True, False):
+                    assert ops.use_avx2(avx2) == avx2
+                    got.append(cpu_attention.attend(q, k, v, m))
+                assert torch.equal(got[0], got[1]), (T, K)
+    finally:
+        ops.use_avx2(False)

@@ -196,3 +196,38 @@ def test_greedy_tokens_take_the_kernel_where_it_fits() -> None:
     assert not cpu_rowops.argmax_fits(x.clone().requires_grad_())
     for logits in (x, x.bfloat16(), x.clone().requires_grad_()):
         assert torch.equal(greedy_tokens(logits), logits.max(-1).indices)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_avx2_path_gives_the_avx512_bits(dtype: torch.dtype) -> None:
+    """Where the CPU has AVX-512, the AVX2 path (what x86-64-v3 CPUs run) can be asked for: each
+    op gives the AVX-512 path's bits, widths with and without a tail of 16."""
+    ops = torch.ops.eaglespec_rowops
+    if ops.use_avx2(False):
+        pytest.skip("no AVX-512 here: the AVX2 path is the only one")
+    torch.manual_seed(6)
+    try:
+        for width in (576, 100, 8):
+            x = (torch.randn(7, width) * 3).to(dtype)
+            w = (torch.rand(width) + 0.5).to(dtype)
+            g = (torch.randn(7, 2 * width) * 4).to(dtype)
+            logits = torch.randn(3, width * 5)
+            got = []
+            for avx2 in (True, False):
+                assert ops.use_avx2(avx2) == avx2
+                got.append((ops.rms_norm(x, w, 1e-5), ops.silu_mul(g), ops.argmax(logits)))
+            for a, b in zip(*got, strict=True):
+                assert torch.equal(a, b), width
+        B, T, H, Hkv, D = 2, 3, 9, 3, 64
+        qkv = torch.randn(B, T, H + 2 * Hkv, D).to(dtype)
+        cos, sin = torch.randn(2, B, T, 1, D).to(dtype)
+        slots = torch.arange(T).repeat(B, 1)
+        got = []
+        for avx2 in (True, False):
+            ops.use_avx2(avx2)
+            kc, vc = torch.zeros(2, B, Hkv, 8, D, dtype=dtype)
+            got.append((ops.rope_write(qkv, cos, sin, kc, vc, slots), kc, vc))
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        ops.use_avx2(False)

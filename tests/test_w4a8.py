@@ -224,6 +224,39 @@ def test_amx_tiles_give_the_vnni_bits(dtype: torch.dtype, k: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 8960])
+def test_the_avx2_path_gives_the_avx512_bits(dtype: torch.dtype, k: int) -> None:
+    """Where the CPU has AVX-512 VNNI, the AVX2 path (what x86-64-v3 CPUs run) can be asked
+    for: every output (4-bit, 8-bit, with the residual add) is bitwise the AVX-512 path's at
+    every row count, N a multiple of 16 or not, so the two kinds of machine decode alike."""
+    ops = torch.ops.eaglespec_w4a8
+    if ops.use_avx2(False):
+        pytest.skip("no AVX-512 VNNI here: the AVX2 path is the only one")
+    try:
+        torch.manual_seed(5)
+        x = torch.randn(max(ROW_COUNTS), k).to(dtype)
+        for n in (160, 97):
+            layer = _layer(n, k, bias=False)
+            w4, w8 = w4a8.W4A8Linear.from_linear(layer), w4a8.W8A8Linear.from_linear(layer)
+            r = torch.randn(max(ROW_COUNTS), n).to(dtype)
+            for m in ROW_COUNTS:
+                got = []
+                for avx2 in (True, False):
+                    assert ops.use_avx2(avx2) == avx2
+                    got.append(
+                        (
+                            ops.linear(x[:m], w4.weight, n),
+                            ops.linear8(x[:m], w8.weight, n),
+                            ops.linear_add(x[:m], w4.weight, n, r[:m]),
+                        )
+                    )
+                for a, b in zip(*got, strict=True):
+                    assert torch.equal(a, b), (n, m)
+    finally:
+        ops.use_avx2(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [576, 97])
 def test_the_residual_add_has_atens_bits(dtype: torch.dtype, n: int) -> None:
     """linear_add(x, w, N, r) is bitwise r + linear(x, w, N) (ATen's add of the rounded product),

@@ -29,8 +29,12 @@ step gets once the accepted path is moved to the front of the cache. Other paths
 
 Numerics: scores, softmax and the weighted sum in fp32 (exp by a Cephes polynomial, within 2 ulp
 of expf); the output is rounded once to q's dtype. `reference` is the same math in torch.
-Needs AVX-512 (F, BW, VL); `available()` says why not where it cannot run, and `attend` then
-falls back to PyTorch's attention.
+
+AVX2 (x86-64-v3, csrc/simd16_avx2.h): each row alone through 16 lanes held in two 8-lane
+registers, the same operations lane for lane and the reductions in the AVX-512 order, so the same
+bits (`torch.ops.eaglespec_attention.use_avx2(True)` asks for it where AVX-512 runs; tests compare).
+Needs AVX-512 (F, BW, VL) or AVX2 with FMA and F16C; `available()` says why not where it cannot
+run, and `attend` then falls back to PyTorch's attention.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (csrc/atte
 @functools.cache
 def _load() -> str | None:
     """Build and load the kernel once per process; None if it runs here, else why not."""
-    reason = build("attention", needs="a CPU with AVX-512")
+    reason = build("attention", needs="an x86 CPU with AVX2 (FMA, F16C) or AVX-512")
     if reason is not None:
         return reason
 

@@ -30,7 +30,9 @@ RMSNorm numerics: the mean of squares in fp32 (lane-wise sums, then one reductio
 `layers.RMSNorm` documents for its PyTorch form (which may sum in another order: equal to fp32
 tolerance, not bitwise).
 Each row alone through the same instructions, whatever the rows and threads (tests/test_rowops.py).
-Needs AVX-512 (F, BW, VL); elsewhere `available()` says why and PyTorch's op runs.
+Needs AVX-512 (F, BW, VL) or AVX2 with FMA and F16C (x86-64-v3: the same ops lane for lane on
+csrc/simd16_avx2.h's two 8-lane halves, so the same bits; `torch.ops.eaglespec_rowops.use_avx2`
+asks for that path where AVX-512 runs); elsewhere `available()` says why and PyTorch's op runs.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from eaglespec.model.extension import build
 @functools.cache
 def _load() -> str | None:
     """Build and load the kernels once per process; None if they run here, else why not."""
-    reason = build("rowops", needs="a CPU with AVX-512")
+    reason = build("rowops", needs="an x86 CPU with AVX2 (FMA, F16C) or AVX-512")
     if reason is not None:
         return reason
 

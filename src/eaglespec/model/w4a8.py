@@ -83,10 +83,19 @@ inductor's precision-cast emulation, llama.py), and on SmolLM2 with the shipped 
 trees (tests/test_real_spec.py). Elsewhere (fp32 attention in other orders, other CPUs) it is
 bitwise by test, not by construction.
 
+AVX2 (x86-64-v3: AMD Zen 1-3, Intel client cores without AVX-512): the same packed weights
+through 8-lane registers, a block's 16 output rows as two halves of 8, each group's dot products
+from vpmaddubsw and vpmaddwd (exact integer sums, as vpdpbusd's) and the same float epilogue in
+the same order, so the same bits as the AVX-512 path (tests/test_w4a8.py compares the two where
+both run; `torch.ops.eaglespec_w4a8.use_avx2(True)` asks for it there). Measured on a 2-core AMD
+EPYC (Zen 3) VM without AVX-512, 2026-11-28: SmolLM2 plain decoding at the default precision 125
+tok/s against 36 with the 4-bit kernel alone (PyTorch's bf16 ops around it) and 18 in fp32, what
+`--quant auto` chose there before (`python benchmarks/cpu_decode.py --no-llamacpp`).
+
 The kernel is compiled on first use for the machine at hand (torch.utils.cpp_extension with
 ninja and a C++ compiler, about 15 s, cached under torch's extension directory) and needs an x86
-CPU with AVX-512 VNNI; `available()` says why not where it cannot run, and the modes then refuse
-with that reason.
+CPU with AVX-512 VNNI or AVX2 (with FMA and F16C); `available()` says why not where it cannot
+run, and the modes then refuse with that reason.
 """
 
 from __future__ import annotations
@@ -108,7 +117,7 @@ ROWS = 16  # output rows per weight block: one per int32 lane of a 512-bit regis
 @functools.cache
 def _load() -> str | None:
     """Build and load the kernel once per process; None if it runs here, else why not."""
-    reason = build("w4a8", needs="a CPU with AVX-512 VNNI")
+    reason = build("w4a8", needs="an x86 CPU with AVX2 (FMA, F16C) or AVX-512 VNNI")
     if reason is not None:
         return reason
 

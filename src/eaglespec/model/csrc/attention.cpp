@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -29,12 +30,27 @@ namespace {
 constexpr int64_t kTaskKeys = 512;  // (query row, key) pairs a task takes at least
 
 #define ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define ATTN_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-bool cpu_supported() {
+bool avx512_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 }
+
+// AVX2 with FMA and F16C (x86-64-v3): the AVX2 path (below), the same bits.
+bool avx2_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool cpu_supported() { return avx512_supported() || avx2_supported(); }
+
+// Whether the kernel takes its AVX2 path: where AVX-512 is missing, or where `use_avx2(true)`
+// asked for it (tests compare the two paths bit for bit).
+std::atomic<bool> avx2_wanted{false};
+bool avx2_on() { return !avx512_supported() || avx2_wanted.load(std::memory_order_relaxed); }
 
 // 16 values from fp32 or bf16 memory -> fp32 lanes.
 ATTN_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -45,6 +61,7 @@ ATTN_TARGET inline __m512 load16(const at::BFloat16* p) {
 
 #define EAGLESPEC_SIMD_TARGET ATTN_TARGET
 #include "simd_exp.h"
+#include "simd16_avx2.h"
 
 struct Strides {  // element strides of a (B, heads, rows, D) tensor; the last one is 1
   int64_t b, h, r;
@@ -262,6 +279,78 @@ void value_passes(const float* const* p, const float* inv_total, const T* v, int
   for (; i < R; ++i) value_rows<T, C, 1>(p + i, inv_total + i, v, v_stride, K, out + i);
 }
 
+// ---- The AVX2 path (x86-64-v3): each query row alone, on simd16_avx2.h's 16 lanes. A key's
+// score is score_key's (dot16's bits: the same products, summed in _mm512_reduce_add_ps's order),
+// the softmax exp_normalize's and the value sum value_rows', lane for lane, so every row gets
+// the AVX-512 path's bits (tests/test_cpu_attention.py compares the two where both run). Rows do
+// not share their reads of the keys and values here: simpler, and on AVX2 machines what a
+// verification's rows cost is the matmuls'.
+
+template <typename T, int C>
+ATTN_AVX2 float score_key_avx2(const avx2::F16 (&qv)[C], const T* kj, float scale) {
+  avx2::F16 acc = avx2::mul(qv[0], avx2::load(kj));
+  for (int c = 1; c < C; ++c) acc = avx2::fmadd(qv[c], avx2::load(kj + 16 * c), acc);
+  return avx2::reduce_add(acc) * scale;
+}
+
+// exp_normalize on AVX2.
+ATTN_AVX2 float exp_normalize_avx2(float* scores, int64_t K, float top, const bool* mask,
+                                   int64_t mstride, float* packed) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (top == neg_inf) {
+    std::fill(scores, scores + K, 0.0f);
+    return 0.0f;
+  }
+  const avx2::F16 top_v = avx2::set1(top);
+  avx2::F16 total_v = avx2::zero();
+  for (int64_t j = 0; j < K; j += 16) {
+    const avx2::F16 p = avx2::exp_nonpositive(avx2::sub(avx2::load_n(scores + j, K - j, neg_inf), top_v));
+    avx2::store_n(scores + j, p, K - j);
+    if (mask == nullptr) total_v = avx2::add(total_v, p);
+  }
+  if (mask != nullptr) {  // the attended keys packed in order, as exp_normalize
+    int64_t n = 0;
+    for (int64_t j = 0; j < K; ++j)
+      if (mask[j * mstride]) packed[n++] = scores[j];
+    total_v = avx2::zero();
+    for (int64_t i = 0; i < n; i += 16) total_v = avx2::add(total_v, avx2::load_n(packed + i, n - i));
+  }
+  return 1.0f / avx2::reduce_add(total_v);
+}
+
+// One query row over its first K keys (`mask`: the row's, or null), out = its attention.
+template <typename T, int C>
+ATTN_AVX2 void row_avx2(const T* q, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                        const bool* mask, int64_t mstride, int64_t K, float scale, float* scores,
+                        float* packed, T* out) {
+  avx2::F16 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = avx2::load(q + 16 * c);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float top = neg_inf;
+  for (int64_t j = 0; j < K; ++j) {
+    if (mask != nullptr && !mask[j * mstride]) {
+      scores[j] = neg_inf;
+      continue;
+    }
+    const float s = score_key_avx2<T, C>(qv, k + j * k_stride, scale);
+    scores[j] = s;
+    top = std::max(top, s);
+  }
+  const float inv = exp_normalize_avx2(scores, K, top, mask, mstride, packed);
+  avx2::F16 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = avx2::zero();
+  for (int64_t j = 0; j < K; ++j) {
+    if (scores[j] == 0.0f) continue;  // masked (or underflowed): adds nothing, as value_rows
+    const avx2::F16 pj = avx2::set1(scores[j]);
+    const T* vj = v + j * v_stride;
+    for (int c = 0; c < C; ++c) acc[c] = avx2::fmadd(pj, avx2::load(vj + 16 * c), acc[c]);
+  }
+  alignas(32) float row[16 * C];
+  for (int c = 0; c < C; ++c) avx2::store(row + 16 * c, avx2::mul(acc[c], avx2::set1(inv)));
+  for (int d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(row[d]);  // bf16: nearest
+}
+// ---- end of the AVX2 path
+
 template <typename T, int C>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const c10::optional<at::Tensor>& mask, double scale, at::Tensor& out) {
@@ -283,6 +372,22 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t per_head = T_ * G, rows = B * Hkv * per_head;
   const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K, 1));
   const float sc = static_cast<float>(scale);
+  if (avx2_on()) {  // each row alone (row_avx2), the rows split among the threads as below
+    at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+      std::vector<float> scores(K + 16), packed(K + 16);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t head = r / per_head, b = head / Hkv, g = head % Hkv;
+        const int64_t t = (r % per_head) / G, h = g * G + (r % per_head) % G;
+        const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
+        const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
+        row_avx2<T, C>(qp + b * qs.b + h * qs.h + t * qs.r, kp + b * ks.b + g * ks.h, ks.r,
+                       vp + b * vs.b + g * vs.h, vs.r, keys < 0 ? row_mask : nullptr, mj,
+                       keys < 0 ? K : keys, sc, scores.data(), packed.data(),
+                       op + ((b * T_ + t) * H + h) * 16 * C);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> scores((kShareRows + 1) * (K + 16)), packed(K + 16);  // + a lone row's
     alignas(64) float kb[16 * 16 * (C <= 8 ? C : 1)];  // a widened block of keys (score_rows)
@@ -379,13 +484,22 @@ at::Tensor attention_attend(const at::Tensor& q_in, const at::Tensor& k_in, cons
 
 bool attention_supported() { return cpu_supported(); }
 
+// Whether the kernel takes its AVX2 path from now on where AVX-512 would run (`force`); returns
+// whether it does (always where AVX-512 is missing). The bits are the same either way.
+bool attention_use_avx2(bool force) {
+  avx2_wanted.store(force, std::memory_order_relaxed);
+  return avx2_on();
+}
+
 TORCH_LIBRARY(eaglespec_attention, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("supported() -> bool");
+  m.def("use_avx2(bool force) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_attention, CPU, m) { m.impl("attend", &attention_attend); }
 
 TORCH_LIBRARY_IMPL(eaglespec_attention, CompositeExplicitAutograd, m) {
   m.impl("supported", &attention_supported);
+  m.impl("use_avx2", &attention_use_avx2);
 }

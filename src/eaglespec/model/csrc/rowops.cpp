@@ -29,8 +29,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -38,12 +41,27 @@ namespace {
 constexpr int64_t kTaskValues = 1 << 16;  // values a task takes at least (a second thread pays)
 
 #define ROWOPS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define ROWOPS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-bool cpu_supported() {
+bool avx512_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 }
+
+// AVX2 with FMA and F16C (x86-64-v3): the AVX2 path (simd16_avx2.h), the same bits.
+bool avx2_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool cpu_supported() { return avx512_supported() || avx2_supported(); }
+
+// Whether the ops take their AVX2 path: where AVX-512 is missing, or where `use_avx2(true)`
+// asked for it (tests compare the two paths bit for bit).
+std::atomic<bool> avx2_wanted{false};
+bool avx2_on() { return !avx512_supported() || avx2_wanted.load(std::memory_order_relaxed); }
 
 // The first n (<= 16) values from fp32 or bf16 memory -> fp32 lanes, the rest 0.
 ROWOPS_TARGET inline __m512 load16(const float* p, __mmask16 mask) {
@@ -80,10 +98,94 @@ ROWOPS_TARGET inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
 
 #define EAGLESPEC_SIMD_TARGET ROWOPS_TARGET
 #include "simd_exp.h"
+#include "simd16_avx2.h"
 
 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 }
+
+// ---- The AVX2 path: the functions below, lane for lane on simd16_avx2.h's 16 lanes, so the
+// same bits (tests/test_rowops.py compares the two where both run).
+
+template <typename T, typename W>
+ROWOPS_AVX2 void rms_norm_row_avx2(const T* x, const W* w, T* y, int64_t C, float eps) {
+  avx2::F16 ss = avx2::zero();
+  for (int64_t c = 0; c < C; c += 16) {
+    const avx2::F16 v = avx2::load_n(x + c, C - c);
+    ss = avx2::fmadd(v, v, ss);
+  }
+  const float r = 1.0f / std::sqrt(avx2::reduce_add(ss) / static_cast<float>(C) + eps);
+  const avx2::F16 vr = avx2::set1(r);
+  for (int64_t c = 0; c < C; c += 16) {
+    const avx2::F16 v = avx2::mul(avx2::load_n(x + c, C - c), vr);
+    avx2::store_n(y + c, avx2::mul(v, avx2::load_n(w + c, C - c)), C - c);
+  }
+}
+
+template <typename T>
+ROWOPS_AVX2 void silu_mul_row_avx2(const T* g, const T* u, T* y, int64_t I) {
+  const avx2::F16 one = avx2::set1(1.0f);
+  for (int64_t i = 0; i < I; i += 16) {
+    const avx2::F16 x = avx2::load_n(g + i, I - i);
+    const avx2::F16 e = avx2::exp_nonpositive(avx2::sub(avx2::zero(), avx2::abs(x)));
+    const avx2::F16 sig_abs = avx2::div(one, avx2::add(one, e));
+    const avx2::Mask negative = avx2::cmp<_CMP_LT_OQ>(x, avx2::zero());
+    const avx2::F16 sig = avx2::select(negative, avx2::mul(sig_abs, e), sig_abs);
+    avx2::store_n(y + i, avx2::mul(avx2::mul(x, sig), avx2::load_n(u + i, I - i)), I - i);
+  }
+}
+
+template <typename T>
+ROWOPS_AVX2 avx2::F16 round_avx2(avx2::F16 v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return avx2::round_bf16(v);
+}
+
+template <typename T>
+ROWOPS_AVX2 void rope_write_token_avx2(const T* x, const T* cos, const T* sin, int64_t H,
+                                       int64_t Hkv, int64_t D, T* qo, T* kc, T* vc, int64_t hs) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < H + Hkv; ++h) {
+    const T* xh = x + h * D;
+    T* out = h < H ? qo + h * D : kc + (h - H) * hs;
+    for (int64_t d = 0; d < D; d += 16) {
+      const int64_t src = d < half ? d + half : d - half, n = D - d;
+      const avx2::F16 a =
+          round_avx2<T>(avx2::mul(avx2::load_n(xh + d, n), avx2::load_n(cos + d, n)));
+      const avx2::F16 b =
+          round_avx2<T>(avx2::mul(avx2::load_n(xh + src, n), avx2::load_n(sin + d, n)));
+      avx2::store_n(out + d, avx2::add(a, b), n);
+    }
+  }
+  for (int64_t h = 0; h < Hkv; ++h)
+    std::copy(x + (H + Hkv + h) * D, x + (H + Hkv + h + 1) * D, vc + h * hs);
+}
+
+ROWOPS_AVX2 int64_t argmax_row_avx2(const float* x, int64_t V) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  avx2::F16 best = avx2::set1(neg_inf);
+  avx2::Mask nan = 0;
+  for (int64_t v = 0; v < V; v += 16) {
+    const avx2::F16 a = avx2::load_n(x + v, V - v, neg_inf);
+    nan |= avx2::cmp<_CMP_UNORD_Q>(a, a);
+    best = avx2::max(best, a);
+  }
+  if (nan) {
+    for (int64_t v = 0; v < V; ++v)
+      if (std::isnan(x[v])) return v;
+  }
+  const avx2::F16 top = avx2::set1(avx2::reduce_max(best));
+  for (int64_t v = 0; v < V; v += 16) {
+    const int64_t n = V - v;
+    avx2::Mask hit = avx2::cmp<_CMP_EQ_OQ>(avx2::load_n(x + v, n), top);
+    if (n < 16) hit &= (1u << n) - 1u;
+    if (hit) return v + __builtin_ctz(hit);
+  }
+  return 0;  // not reached: the maximum is one of the values
+}
+// ---- end of the AVX2 path
 
 template <typename T, typename W>
 ROWOPS_TARGET void rms_norm_row(const T* x, const W* w, T* y, int64_t C, float eps) {
@@ -108,9 +210,13 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, doub
   const W* wp = w.data_ptr<W>();
   T* yp = y.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kTaskValues / C);
+  const bool avx2 = avx2_on();
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      rms_norm_row<T, W>(xp + m * C, wp, yp + m * C, C, static_cast<float>(eps));
+      if (avx2)
+        rms_norm_row_avx2<T, W>(xp + m * C, wp, yp + m * C, C, static_cast<float>(eps));
+      else
+        rms_norm_row<T, W>(xp + m * C, wp, yp + m * C, C, static_cast<float>(eps));
   });
 }
 
@@ -135,9 +241,13 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& y) {
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kTaskValues / I);
+  const bool avx2 = avx2_on();
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      silu_mul_row<T>(xp + m * stride, xp + m * stride + I, yp + m * I, I);
+      if (avx2)
+        silu_mul_row_avx2<T>(xp + m * stride, xp + m * stride + I, yp + m * I, I);
+      else
+        silu_mul_row<T>(xp + m * stride, xp + m * stride + I, yp + m * I, I);
   });
 }
 
@@ -181,11 +291,13 @@ void rope_write_all(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const int64_t vb = vc.stride(0), vh = vc.stride(1), vs = vc.stride(2);
   TORCH_CHECK(kh == vh, "rope_write: k and v caches must share their head stride");
   const int64_t grain = std::max<int64_t>(1, kTaskValues / ((H + 2 * Hkv) * D));
+  const bool avx2 = avx2_on();
   at::parallel_for(0, B * T_, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / T_, s = slot[r];
-      rope_write_token<T>(xp + r * (H + 2 * Hkv) * D, cp + r * D, sp + r * D, H, Hkv, D,
-                          qp + r * H * D, kp + b * kb + s * ks, vp + b * vb + s * vs, kh);
+      (avx2 ? rope_write_token_avx2<T> : rope_write_token<T>)(
+          xp + r * (H + 2 * Hkv) * D, cp + r * D, sp + r * D, H, Hkv, D, qp + r * H * D,
+          kp + b * kb + s * ks, vp + b * vb + s * vs, kh);
     }
   });
 }
@@ -212,12 +324,11 @@ ROWOPS_TARGET int64_t argmax_row(const float* x, int64_t V) {
   }
   return 0;  // not reached: the maximum is one of the values
 }
-
 }  // namespace
 
 // x (..., 2I): gate then up -> (..., I) in x's dtype.
 at::Tensor rowops_silu_mul(const at::Tensor& x_in) {
-  TORCH_CHECK(cpu_supported(), "eaglespec silu_mul: this CPU lacks AVX-512");
+  TORCH_CHECK(cpu_supported(), "eaglespec silu_mul: this CPU lacks AVX2 (and AVX-512)");
   TORCH_CHECK(x_in.device().is_cpu(), "silu_mul: CPU tensors only");
   const int64_t W = x_in.size(-1);
   TORCH_CHECK(W % 2 == 0, "silu_mul: the last dim holds gate and up halves, got ", W);
@@ -237,7 +348,7 @@ at::Tensor rowops_silu_mul(const at::Tensor& x_in) {
 
 // x (..., C) fp32 or bf16, w (C,) fp32 or x's dtype -> (..., C) in x's dtype.
 at::Tensor rowops_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
-  TORCH_CHECK(cpu_supported(), "eaglespec rms_norm: this CPU lacks AVX-512");
+  TORCH_CHECK(cpu_supported(), "eaglespec rms_norm: this CPU lacks AVX2 (and AVX-512)");
   TORCH_CHECK(x_in.device().is_cpu() && w_in.device().is_cpu(), "rms_norm: CPU tensors only");
   const int64_t C = x_in.size(-1);
   TORCH_CHECK(w_in.dim() == 1 && w_in.size(0) == C, "rms_norm: weight must be (", C, "), got ",
@@ -264,7 +375,7 @@ at::Tensor rowops_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, doubl
 at::Tensor rowops_rope_write(const at::Tensor& qkv_in, const at::Tensor& cos_in,
                              const at::Tensor& sin_in, at::Tensor k_cache, at::Tensor v_cache,
                              const at::Tensor& slots_in) {
-  TORCH_CHECK(cpu_supported(), "eaglespec rope_write: this CPU lacks AVX-512");
+  TORCH_CHECK(cpu_supported(), "eaglespec rope_write: this CPU lacks AVX2 (and AVX-512)");
   TORCH_CHECK(qkv_in.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "rope_write: qkv and the caches must be 4-D");
   const int64_t B = qkv_in.size(0), T_ = qkv_in.size(1), D = qkv_in.size(3);
@@ -298,7 +409,7 @@ at::Tensor rowops_rope_write(const at::Tensor& qkv_in, const at::Tensor& cos_in,
 // x (..., V) fp32 -> (...) int64: each row's index of its first maximum (a NaN counts as the
 // maximum), torch.max(x, -1).indices' values; rows split among threads, each row alone.
 at::Tensor rowops_argmax(const at::Tensor& x_in) {
-  TORCH_CHECK(cpu_supported(), "eaglespec argmax: this CPU lacks AVX-512");
+  TORCH_CHECK(cpu_supported(), "eaglespec argmax: this CPU lacks AVX2 (and AVX-512)");
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() >= 1,
               "argmax: CPU fp32 (..., V) only, got ", x_in.scalar_type(), " ", x_in.sizes());
   const int64_t V = x_in.size(-1);
@@ -308,8 +419,10 @@ at::Tensor rowops_argmax(const at::Tensor& x_in) {
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
+  const bool avx2 = avx2_on();
   at::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / V), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) op[m] = argmax_row(xp + m * V, V);
+    for (int64_t m = m0; m < m1; ++m)
+      op[m] = avx2 ? argmax_row_avx2(xp + m * V, V) : argmax_row(xp + m * V, V);
   });
   auto sizes = x_in.sizes().vec();
   sizes.pop_back();
@@ -318,6 +431,13 @@ at::Tensor rowops_argmax(const at::Tensor& x_in) {
 
 bool rowops_supported() { return cpu_supported(); }
 
+// Whether the ops take their AVX2 path from now on where AVX-512 would run (`force`); returns
+// whether they do (always where AVX-512 is missing). The bits are the same either way.
+bool rowops_use_avx2(bool force) {
+  avx2_wanted.store(force, std::memory_order_relaxed);
+  return avx2_on();
+}
+
 TORCH_LIBRARY(eaglespec_rowops, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -325,6 +445,7 @@ TORCH_LIBRARY(eaglespec_rowops, m) {
   m.def("argmax(Tensor x) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("supported() -> bool");
+  m.def("use_avx2(bool force) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_rowops, CPU, m) {
@@ -336,4 +457,5 @@ TORCH_LIBRARY_IMPL(eaglespec_rowops, CPU, m) {
 
 TORCH_LIBRARY_IMPL(eaglespec_rowops, CompositeExplicitAutograd, m) {
   m.impl("supported", &rowops_supported);
+  m.impl("use_avx2", &rowops_use_avx2);
 }

@@ -94,6 +94,19 @@ bool cpu_supported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
+// AVX2 with FMA and F16C (x86-64-v3: AMD Zen 1-3, Intel client cores since Haswell without
+// AVX-512): the AVX2 path (below), the same bits as the AVX-512 one.
+bool avx2_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+// Whether the kernels run their AVX2 path: where AVX-512 VNNI is missing, or where
+// `use_avx2(true)` asked for it (tests compare the two paths bit for bit).
+std::atomic<bool> avx2_wanted{false};
+bool avx2_on() { return !cpu_supported() || avx2_wanted.load(std::memory_order_relaxed); }
+
 // AMX-INT8 in the CPU (CPUID leaf 7: EDX bits 24 and 25) and its tile state granted to this
 // process by Linux (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once.
 bool amx_granted() {
@@ -110,7 +123,9 @@ bool amx_granted() {
 // Whether full 16-row tiles go through AMX: where granted, unless `use_amx(false)` turned it off
 // (benchmarks and tests compare the two paths; the bits are the same).
 std::atomic<bool> amx_wanted{true};
-bool amx_on() { return amx_wanted.load(std::memory_order_relaxed) && amx_granted(); }
+bool amx_on() {
+  return amx_wanted.load(std::memory_order_relaxed) && !avx2_on() && amx_granted();
+}
 // The fewest rows of a forward that go through AMX in one tile, 4-bit and 8-bit weights
 // (`amx_min_rows`: benchmarks find the crossover, tests cover every tile height).
 std::atomic<int> amx_min_rows4{kAmxMinRows4}, amx_min_rows8{kAmxMinRows8};
@@ -280,6 +295,194 @@ W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r,
   store_tile<MB>(acc, y, r, ldy, valid);
 }
 
+// ---- The AVX2 path (x86-64-v3: no AVX-512, no VNNI) ---------------------------------------
+// The same packed weights and the same math, in 8-lane registers: a block's 16 output rows as
+// two halves of 8 (lanes 0-7 and 8-15 of the AVX-512 path; bytes 0-31 and 32-63 of each 64-byte
+// load), the half's groups in turn. Without vpdpbusd a group's dot products are vpmaddubsw (u8 x
+// s8 -> pairs summed in int16) then vpmaddwd against ones (-> int32 per lane): for 4 bits the 8
+// steps' pair sums are added in int16 first (|sum| <= 8 * 2 * 15 * 127 = 30,480, no overflow),
+// for 8 bits each step is widened (a pair can reach 2 * 127 * 127), its signed codes taken back
+// from the stored q + 128 and the activations' signs moved onto them (vpsignb), as vpmaddubsw
+// wants one unsigned operand. Integer sums are exact, so every group's int32 dot products are
+// vpdpbusd's; the float epilogue is `accumulate`'s, operation for operation and lane for lane,
+// and the activations are quantized as quantize_row does (the same rounding, and xsum reduced
+// in _mm512_reduce_add_ps's order), so the AVX2 path gives the AVX-512 path's bits
+// (tests/test_w4a8.py compares them where both run).
+
+#define W4A8_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+constexpr int kTile2 = 4;  // activation rows sharing a loaded half group (16 ymm registers)
+
+// 8 activations from fp32 or bf16 memory -> fp32 lanes.
+W4A8_AVX2_TARGET inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+W4A8_AVX2_TARGET inline __m256 load8(const at::BFloat16* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+// _mm512_reduce_add_ps of the 16 lanes (lo: 0-7, hi: 8-15), in its order (GCC's: the 256-bit
+// halves added, then the 128-bit halves, then lanes 0 + 2 and 1 + 3, then those two).
+W4A8_AVX2_TARGET inline float reduce_add16(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+W4A8_AVX2_TARGET inline float reduce_max8(__m256 v) {
+  const __m128 a = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  const __m128 b = _mm_max_ps(a, _mm_shuffle_ps(a, a, _MM_SHUFFLE(1, 0, 3, 2)));
+  return std::max(_mm_cvtss_f32(b), _mm_cvtss_f32(_mm_shuffle_ps(b, b, 1)));
+}
+
+W4A8_AVX2_TARGET inline int32_t reduce_add8_epi32(__m256i v) {
+  const __m128i a = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+  const __m128i b = _mm_add_epi32(a, _mm_shuffle_epi32(a, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(b, _mm_shuffle_epi32(b, 1)));
+}
+
+// quantize_row on AVX2: the same codes, dx, xsum and qbias.
+template <typename T>
+W4A8_AVX2_TARGET void quantize_row_avx2(const T* x, const Rows& r) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < r.ng; ++g) {
+    __m256 v[4];  // the group's 32 values, 8 a register
+    for (int i = 0; i < 4; ++i) v[i] = load8(x + g * kGroup + 8 * i);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = reduce_max8(m);
+    const __m256 vinv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i c[4];  // rounded to nearest even, as _mm512_cvtps_epi32
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv));
+    // saturating narrows (as _mm512_cvtsepi32_epi8), then the dwords back in feature order
+    const __m256i q = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.xq + g * kGroup), q);
+    r.dx[g] = amax / 127.0f;
+    // _mm512_reduce_add_ps(a + b) with a = values 0-15 and b = 16-31
+    r.xsum[g] = reduce_add16(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+    const __m256i q16a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+    const __m256i q16b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+    const __m256i s32 = _mm256_madd_epi16(_mm256_add_epi16(q16a, q16b), _mm256_set1_epi16(1));
+    r.qbias[g] = -128 * reduce_add8_epi32(s32);
+  }
+}
+
+// One half group's 8 steps of 32 code bytes (lane i's 4 bytes: the half's row i, features
+// 4t..4t+3), for 4 bits unpacked from the record's 4 loads of low and high nibbles; for 8 bits
+// the signed codes (the stored q + 128 with its top bit flipped).
+template <int Bits>
+W4A8_AVX2_TARGET inline void half_steps(const uint8_t* gp, int half, __m256i (&w)[8]) {
+  if constexpr (Bits == 4) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int L = 0; L < 4; ++L) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + L * 64 + 32 * half));
+      w[2 * L] = _mm256_and_si256(v, low4);
+      w[2 * L + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int t = 0; t < 8; ++t)
+      w[t] = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + 32 * half)), flip);
+  }
+}
+
+// One half group's int32 dot products of 8 weight rows with one activation row's 32 codes (x,
+// as 8 dwords): exactly vpdpbusd's sums (for 8 bits: of the signed codes, which is vpdpbusd's
+// sum of q + 128 plus the row's qbias).
+template <int Bits>
+W4A8_AVX2_TARGET inline __m256i half_dot(const __m256i (&w)[8], const int32_t* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Bits == 4) {
+    __m256i a = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x[0]));
+    __m256i b = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x[1]));
+    for (int t = 2; t < 8; t += 2) {
+      a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(x[t])));
+      b = _mm256_add_epi16(b, _mm256_maddubs_epi16(w[t + 1], _mm256_set1_epi32(x[t + 1])));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(a, b), ones);
+  } else {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (int t = 0; t < 8; t += 2) {
+      const __m256i x0 = _mm256_set1_epi32(x[t]), x1 = _mm256_set1_epi32(x[t + 1]);
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x0),
+                                                                     _mm256_sign_epi8(w[t], x0)),
+                                                ones));
+      b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x1),
+                                                                     _mm256_sign_epi8(w[t + 1], x1)),
+                                                ones));
+    }
+    return _mm256_add_epi32(a, b);
+  }
+}
+
+// One weight block against a tile of MB activation rows, as block_tile, half by half: each
+// half's accumulators go through `accumulate`'s operations in its order, so its 8 outputs are
+// lanes 8 half .. 8 half + 7 of the AVX-512 path's, bit for bit.
+template <int Bits, int MB, typename T>
+W4A8_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T* y, const T* r,
+                                      int64_t ldy, int64_t valid) {
+  for (int half = 0; half < 2; ++half) {
+    const int64_t here = std::min<int64_t>(8, valid - 8 * half);
+    if (here <= 0) break;
+    __m256 acc[MB];
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < x.ng; ++g) {
+      const uint8_t* gp = blk + g * group_bytes(Bits);
+      if (half == 0)  // as prefetch_ahead; the second half reads the same lines
+        for (int64_t o = 0; o < group_bytes(Bits); o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(gp + kPrefetch + o), _MM_HINT_T1);
+      __m256i w[8];
+      half_steps<Bits>(gp, half, w);
+      const uint8_t* sp = gp + code_bytes(Bits) + 16 * half;
+      const __m256 S = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const int64_t o = m * x.ng + g;
+        const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
+        const __m256 scale = _mm256_mul_ps(S, _mm256_set1_ps(x.dx[o]));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_dot<Bits>(w, xp)), scale, acc[m]);
+        if constexpr (Bits == 4) {
+          const __m256 MN =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32)));
+          acc[m] = _mm256_fmadd_ps(MN, _mm256_set1_ps(x.xsum[o]), acc[m]);
+        }
+      }
+    }
+    alignas(32) float out[8];
+    for (int m = 0; m < MB; ++m) {
+      _mm256_store_ps(out, acc[m]);
+      T* ym = y + m * ldy + 8 * half;
+      if (r != nullptr)
+        for (int64_t i = 0; i < here; ++i) store_add(ym + i, out[i], r[m * ldy + 8 * half + i]);
+      else
+        for (int64_t i = 0; i < here; ++i) store(ym + i, out[i]);
+    }
+  }
+}
+
+// One weight block against `rows` activation rows on the AVX2 path: tiles of kTile2, then one
+// of the rest.
+template <int Bits, typename T>
+void block_rows_avx2(const uint8_t* blk, const Rows& x, int64_t rows, T* y, const T* r,
+                     int64_t ldy, int64_t valid) {
+  auto at = [&](int64_t m) { return r == nullptr ? nullptr : r + m * ldy; };
+  int64_t m = 0;
+  for (; m + kTile2 <= rows; m += kTile2)
+    block_tile_avx2<Bits, kTile2>(blk, x.at(m), y + m * ldy, at(m), ldy, valid);
+  const Rows xr = x.at(m);
+  switch (rows - m) {
+    case 0: break;
+    case 1: block_tile_avx2<Bits, 1>(blk, xr, y + m * ldy, at(m), ldy, valid); break;
+    case 2: block_tile_avx2<Bits, 2>(blk, xr, y + m * ldy, at(m), ldy, valid); break;
+    case 3: block_tile_avx2<Bits, 3>(blk, xr, y + m * ldy, at(m), ldy, valid); break;
+  }
+}
+// ---- end of the AVX2 path -----------------------------------------------------------------
+
 // AMX's tile configuration for tiles of R activation rows, two sets for alternate groups: tiles
 // 0 and 3 the int32 dot products (R activation rows x 16 output rows), 1 and 4 the activation
 // codes (R rows x 32 bytes), 2 and 5 the group's weight steps (8 rows of 16 x 4 bytes). Loaded
@@ -435,8 +638,13 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) 
   const T* xin = x.data_ptr<T>();
   // On the calling thread up to kTaskValues values (a step or a verification: a parallel region
   // costs more than the work), split among the threads beyond (prefill).
+  const bool avx2 = avx2_on();
   at::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(xin + m * K, rows.at(m));
+    for (int64_t m = m0; m < m1; ++m)
+      if (avx2)
+        quantize_row_avx2(xin + m * K, rows.at(m));
+      else
+        quantize_row(xin + m * K, rows.at(m));
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
@@ -449,17 +657,23 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) 
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     if (amx) load_tiles(amx);  // each thread's own tile state
     for (int64_t c = 0; c < M; c += chunk)
-      for (int64_t b = b0; b < b1; ++b)
-        block_rows<Bits>(wp + b * block_bytes, rows.at(c), std::min(chunk, M - c),
-                         yp + c * N + b * kRows, res == nullptr ? nullptr : res + c * N + b * kRows,
-                         N, std::min(kRows, N - b * kRows), amx);
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = wp + b * block_bytes;
+        T* yb = yp + c * N + b * kRows;
+        const T* rb = res == nullptr ? nullptr : res + c * N + b * kRows;
+        const int64_t rows_here = std::min(chunk, M - c), valid = std::min(kRows, N - b * kRows);
+        if (avx2)
+          block_rows_avx2<Bits>(blk, rows.at(c), rows_here, yb, rb, N, valid);
+        else
+          block_rows<Bits>(blk, rows.at(c), rows_here, yb, rb, N, valid, amx);
+      }
     if (amx) release_tiles();
   });
 }
 
 void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N, int bits) {
   const char* op = bits == 4 ? "w4a8" : "w8a8";
-  TORCH_CHECK(cpu_supported(), op, ": this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(cpu_supported() || avx2_supported(), op, ": this CPU lacks AVX2 (and AVX-512)");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2, op, ": x must be (M, K), got ", x.sizes());
   const int64_t K = x.size(1);
@@ -514,7 +728,15 @@ at::Tensor w4a8_linear_add(const at::Tensor& x, const at::Tensor& w, int64_t N,
   return linear<4>(x, w, N, residual);
 }
 
-bool w4a8_supported() { return cpu_supported(); }
+bool w4a8_supported() { return cpu_supported() || avx2_supported(); }
+
+// Whether the kernels take their AVX2 path from now on where AVX-512 VNNI would run (`force`);
+// returns whether they do (always where AVX-512 VNNI is missing). The bits are the same either
+// way: tests and benchmarks switch it.
+bool w4a8_use_avx2(bool force) {
+  avx2_wanted.store(force, std::memory_order_relaxed);
+  return avx2_on();
+}
 
 // Whether tiles of 16 rows go through AMX from now on (`enable`, where the CPU and OS allow it);
 // returns whether they do. The bits are the same either way: benchmarks and tests switch it.
@@ -537,6 +759,7 @@ TORCH_LIBRARY(eaglespec_w4a8, m) {
   m.def("linear_add(Tensor x, Tensor w, int N, Tensor residual) -> Tensor");
   m.def("supported() -> bool");
   m.def("use_amx(bool enable) -> bool");
+  m.def("use_avx2(bool force) -> bool");
   m.def("amx_min_rows(int bits, int rows) -> int");
 }
 
@@ -549,5 +772,6 @@ TORCH_LIBRARY_IMPL(eaglespec_w4a8, CPU, m) {
 TORCH_LIBRARY_IMPL(eaglespec_w4a8, CompositeExplicitAutograd, m) {
   m.impl("supported", &w4a8_supported);
   m.impl("use_amx", &w4a8_use_amx);
+  m.impl("use_avx2", &w4a8_use_avx2);
   m.impl("amx_min_rows", &w4a8_amx_min_rows);
 }
