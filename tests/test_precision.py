@@ -106,6 +106,20 @@ def test_the_kernel_is_only_asked_about_when_it_would_be_used() -> None:
     assert asked
 
 
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="not an x86 CPU with AVX2 or AVX-512: the kernels are not for it",
+)
+def test_every_cpu_kernel_builds_and_runs_where_the_cpu_takes_it() -> None:
+    """On an x86 CPU with AVX2 or AVX-512 each of eaglespec's kernels builds and runs (the
+    kernels' own tests skip where `available()` gives a reason, so a broken build would
+    otherwise pass as a skip and the commands would fall back to fp32 unnoticed)."""
+    from eaglespec.model import cpu_attention, cpu_layer, cpu_rowops, w4a8
+
+    for kernel in (w4a8, cpu_attention, cpu_rowops, cpu_layer):
+        assert kernel.available() is None, kernel.__name__
+
+
 def test_a_hugging_face_folder_loads_and_generates_as_before(tiny_hf_folder: Path, capsys) -> None:
     loaded = load_model(tiny_hf_folder, dtype="auto", quant="auto")
     assert (loaded.precision.dtype, loaded.precision.quant) == ("float32", "none")
