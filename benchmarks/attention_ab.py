@@ -6,7 +6,7 @@ prefill chunk attends), and every output is checked bitwise equal before it is t
     python benchmarks/attention_ab.py --rev e7f3526~1 [--threads 2] [--repeats 40] \\
         [--shapes decode|prefill|all]
 
-Prints microseconds per call, medians, old / new / new over old. Needs AVX-512 and a C++
+Prints microseconds per call, medians, old / new / new over old. Needs AVX2 or AVX-512 and a C++
 compiler (the kernel's own needs).
 """
 

@@ -1,4 +1,4 @@
-"""The roofline of this machine for the w4a8 kernels: streaming bandwidth and VNNI peak measured
+"""The roofline of this machine for the w4a8 kernels: streaming bandwidth and int8 peak measured
 (csrc/roofline.cpp), then every kernel's time per pass and its fraction of the binding limit at
 M activation rows.
 
@@ -8,7 +8,9 @@ M activation rows.
 
 Limits: a pass over a model's 4-bit decoder matrices (one copy per layer, as a decode step reads
 them: together they exceed the private caches) must at least stream its weight bytes at the
-measured bandwidth, and must at least execute M * K * N / 64 vpdpbusd at the measured VNNI peak;
+measured bandwidth, and must at least execute M * K * N / 64 vpdpbusd at the measured VNNI peak
+(on an AVX2 CPU without VNNI: M * K * N / 32 vpmaddubsw at their measured peak, which leaves out
+the vpaddw and vpmaddwd the AVX2 path needs besides, so its fractions are upper bounds);
 the binding limit is the larger of the two times, and "of limit" is that time over the measured
 one (1.0 would be the hardware's best). The 8-bit output head likewise, two copies used in turn.
 Bandwidth is measured over a buffer the size of the decoder's weights (what a decode step
@@ -56,11 +58,16 @@ def bandwidth(nbytes: int, repeats: int) -> float:
     return nbytes / median_time(lambda: torch.ops.eaglespec_roofline.stream(buf), repeats)
 
 
-def vnni_peak(repeats: int) -> float:
-    """vpdpbusd per second, the engine's threads."""
+def int8_peak(repeats: int) -> tuple[str, int, float]:
+    """The int8 multiply the w4a8 kernels use here (vpdpbusd, or vpmaddubsw on AVX2), its int8
+    multiply-adds an instruction, and instructions per second on the engine's threads."""
+    ops = torch.ops.eaglespec_roofline
     iters = 1_000_000
-    seconds = median_time(lambda: torch.ops.eaglespec_roofline.vnni(iters), repeats)
-    return 16 * iters * torch.get_num_threads() / seconds
+    name, macs, fn = (
+        ("vpdpbusd", 64, ops.vnni) if ops.has_vnni() else ("vpmaddubsw", 32, ops.maddubs)
+    )
+    seconds = median_time(lambda: fn(iters), repeats)
+    return name, macs, 16 * iters * torch.get_num_threads() / seconds
 
 
 def random_w4a8(n: int, k: int) -> w4a8.W4A8Linear:
@@ -84,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     w4a8.require()
-    reason = build("roofline", needs="a CPU with AVX-512 VNNI")
+    reason = build("roofline", needs="an x86 CPU with AVX2 or AVX-512 VNNI")
     if reason is not None:
         raise SystemExit(reason)
     ops = torch.ops.eaglespec_w4a8
@@ -103,13 +110,13 @@ def main() -> None:
 
     bw_model = bandwidth(dec_bytes, args.repeats)
     bw_dram = bandwidth(1 << 30, max(3, args.repeats // 3))
-    peak = vnni_peak(args.repeats)
+    op, op_macs, peak = int8_peak(args.repeats)
     print(f"{args.shapes}, {args.threads} threads, AMX {'granted' if granted else 'absent'}")
     print(
         f"streaming bandwidth: {bw_model / 1e9:.1f} GB/s over {dec_bytes / 1e6:.0f} MB "
         f"(the decoder's weights), {bw_dram / 1e9:.1f} GB/s over 1 GiB"
     )
-    print(f"VNNI peak: {peak / 1e9:.2f} G vpdpbusd/s = {peak * 64 / 1e9:.0f} G int8 MAC/s")
+    print(f"int8 peak: {peak / 1e9:.2f} G {op}/s = {peak * op_macs / 1e9:.0f} G int8 MAC/s")
     print()
     print("| kernel | rows M | AMX | ms | weight GB/s | G MAC/s | limit | limit ms | of limit |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -144,7 +151,7 @@ def main() -> None:
     ops.use_amx(True)
     for (name, m, amx, _, nbytes, macs, copies), times in zip(cases, samples, strict=True):
         t = statistics.median(times) / copies
-        t_mem, t_mac = nbytes / bw_model, m * macs / 64 / peak
+        t_mem, t_mac = nbytes / bw_model, m * macs / op_macs / peak
         limit, t_lim = ("memory", t_mem) if t_mem >= t_mac else ("VNNI", t_mac)
         print(
             f"| {name} | {m} | {'on' if amx else 'off'} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "

@@ -349,6 +349,71 @@ ATTN_AVX2 void row_avx2(const T* q, const T* k, int64_t k_stride, const T* v, in
   for (int c = 0; c < C; ++c) avx2::store(row + 16 * c, avx2::mul(acc[c], avx2::set1(inv)));
   for (int d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(row[d]);  // bf16: nearest
 }
+// Up to kShareRows unmasked query rows of one KV head, row i over its first n[i] keys (a causal
+// prefill's rows, a verification's, a step's query heads): each block of 16 keys, and each key's
+// values, widened from T to fp32 once for all of them (into kb and vb, which stay in L1; the
+// widening is exact), then every row scored, normalised and summed exactly as row_avx2 would:
+// the same products in the same order. Rows' value sums live in `acc` (R x 16C floats) between
+// blocks. `scores` as score_rows' (row i at scores[i], max n + 16 floats each).
+// The fewest rows that share a widening on AVX2 (`python benchmarks/attention_ab.py`, 2026-11-28,
+// AMD EPYC Zen 3, SmolLM2's 9/3 heads: 3 rows of a KV head 1.10-1.17x slower through it than
+// alone, 6-8 rows 0.83-0.90x, a prefill 0.86-0.92x).
+constexpr int kShareFrom = 4;
+
+template <typename T, int C>
+ATTN_AVX2 void rows_avx2(const T* const* q, const T* k, int64_t k_stride, const T* v,
+                         int64_t v_stride, const int64_t* n, int R, float scale,
+                         float* const* scores, float* packed, float* kb, float* acc,
+                         T* const* out) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t nmax = 0;
+  float top[kShareRows], inv[kShareRows];
+  for (int i = 0; i < R; ++i) nmax = std::max(nmax, n[i]), top[i] = neg_inf;
+  for (int64_t j0 = 0; j0 < nmax; j0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, nmax - j0);
+    for (int64_t j = 0; j < nb; ++j)
+      for (int c = 0; c < C; ++c)
+        avx2::store(kb + (j * C + c) * 16, avx2::load(k + (j0 + j) * k_stride + 16 * c));
+    for (int i = 0; i < R; ++i) {
+      avx2::F16 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = avx2::load(q[i] + 16 * c);
+      for (int64_t j = 0; j < std::min(nb, n[i] - j0); ++j) {
+        const float s = score_key_avx2<float, C>(qv, kb + j * C * 16, scale);
+        scores[i][j0 + j] = s;
+        top[i] = std::max(top[i], s);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    inv[i] = exp_normalize_avx2(scores[i], n[i], top[i], nullptr, 0, packed);
+    for (int c = 0; c < C; ++c) avx2::store(acc + (i * C + c) * 16, avx2::zero());
+  }
+  for (int64_t j0 = 0; j0 < nmax; j0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, nmax - j0);
+    for (int64_t j = 0; j < nb; ++j)
+      for (int c = 0; c < C; ++c)
+        avx2::store(kb + (j * C + c) * 16, avx2::load(v + (j0 + j) * v_stride + 16 * c));
+    for (int i = 0; i < R; ++i) {
+      const int64_t here = std::min(nb, n[i] - j0);
+      if (here <= 0) continue;
+      avx2::F16 a[C];
+      for (int c = 0; c < C; ++c) a[c] = avx2::load(acc + (i * C + c) * 16);
+      for (int64_t j = 0; j < here; ++j) {
+        const float p = scores[i][j0 + j];
+        if (p == 0.0f) continue;  // underflowed: adds nothing, as value_rows
+        const avx2::F16 pj = avx2::set1(p);
+        for (int c = 0; c < C; ++c) a[c] = avx2::fmadd(pj, avx2::load(kb + (j * C + c) * 16), a[c]);
+      }
+      for (int c = 0; c < C; ++c) avx2::store(acc + (i * C + c) * 16, a[c]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(32) float row[16 * C];
+    for (int c = 0; c < C; ++c)
+      avx2::store(row + 16 * c, avx2::mul(avx2::load(acc + (i * C + c) * 16), avx2::set1(inv[i])));
+    for (int d = 0; d < 16 * C; ++d) out[i][d] = static_cast<T>(row[d]);  // bf16: nearest
+  }
+}
 // ---- end of the AVX2 path
 
 template <typename T, int C>
@@ -372,18 +437,44 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t per_head = T_ * G, rows = B * Hkv * per_head;
   const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K, 1));
   const float sc = static_cast<float>(scale);
-  if (avx2_on()) {  // each row alone (row_avx2), the rows split among the threads as below
+  if (avx2_on()) {  // the rows split among the threads as below; unmasked rows of a KV head
+                    // up to kShareRows at a time share the keys' widening (rows_avx2), a tree's
+                    // rows alone (row_avx2)
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-      std::vector<float> scores(K + 16), packed(K + 16);
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t head = r / per_head, b = head / Hkv, g = head % Hkv;
-        const int64_t t = (r % per_head) / G, h = g * G + (r % per_head) % G;
-        const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
-        const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
-        row_avx2<T, C>(qp + b * qs.b + h * qs.h + t * qs.r, kp + b * ks.b + g * ks.h, ks.r,
-                       vp + b * vs.b + g * vs.h, vs.r, keys < 0 ? row_mask : nullptr, mj,
-                       keys < 0 ? K : keys, sc, scores.data(), packed.data(),
-                       op + ((b * T_ + t) * H + h) * 16 * C);
+      std::vector<float> scores(kShareRows * (K + 16)), packed(K + 16);
+      std::vector<float> kb(16 * 16 * C), acc(kShareRows * 16 * C);
+      const T* qrow[kShareRows];
+      T* orow[kShareRows];
+      float* prow[kShareRows];
+      int64_t n[kShareRows];
+      for (int64_t s0 = r0; s0 < r1;) {
+        const int64_t head = s0 / per_head, b = head / Hkv, g = head % Hkv;
+        const int64_t s1 = std::min({r1, (head + 1) * per_head, s0 + kShareRows});
+        const T* kg = kp + b * ks.b + g * ks.h;
+        const T* vg = vp + b * vs.b + g * vs.h;
+        int R = 0;
+        for (int64_t r = s0; r < s1; ++r) {
+          const int64_t t = (r % per_head) / G, h = g * G + (r % per_head) % G;
+          const T* qr = qp + b * qs.b + h * qs.h + t * qs.r;
+          T* outr = op + ((b * T_ + t) * H + h) * 16 * C;
+          const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
+          const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
+          if (keys < 0) {  // a tree's mask: alone
+            row_avx2<T, C>(qr, kg, ks.r, vg, vs.r, row_mask, mj, K, sc, scores.data(),
+                           packed.data(), outr);
+            continue;
+          }
+          qrow[R] = qr, orow[R] = outr, n[R] = keys, prow[R] = scores.data() + R * (K + 16);
+          ++R;
+        }
+        if (R >= kShareFrom)
+          rows_avx2<T, C>(qrow, kg, ks.r, vg, vs.r, n, R, sc, prow, packed.data(), kb.data(),
+                          acc.data(), orow);
+        else  // too few to pay for the widening's stores (a one-token step's 3 query heads)
+          for (int i = 0; i < R; ++i)
+            row_avx2<T, C>(qrow[i], kg, ks.r, vg, vs.r, nullptr, 0, n[i], sc, scores.data(),
+                           packed.data(), orow[i]);
+        s0 = s1;
       }
     });
     return;
