@@ -152,7 +152,7 @@ def main() -> None:
     for (name, m, amx, _, nbytes, macs, copies), times in zip(cases, samples, strict=True):
         t = statistics.median(times) / copies
         t_mem, t_mac = nbytes / bw_model, m * macs / op_macs / peak
-        limit, t_lim = ("memory", t_mem) if t_mem >= t_mac else ("VNNI", t_mac)
+        limit, t_lim = ("memory", t_mem) if t_mem >= t_mac else (op, t_mac)
         print(
             f"| {name} | {m} | {'on' if amx else 'off'} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
             f"{m * macs / t / 1e9:.0f} | {limit} | {t_lim * 1e3:.3f} | {t_lim / t:.2f} |"
