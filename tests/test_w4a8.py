@@ -6,6 +6,8 @@ Skipped where the kernel cannot run (no AVX-512 VNNI, no C++ compiler)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +188,33 @@ def test_each_row_is_computed_alone(kind: type[w4a8.W4A8Linear], dtype: torch.dt
         assert torch.equal(mod(x[m // 2 : m])[: m - m // 2], alone[m // 2 : m]), m
 
 
+def _both_paths_agree(
+    switch: Callable[[bool], bool], dtype: torch.dtype, k: int, seed: int
+) -> None:
+    """Every output (4-bit, 8-bit, with the residual add) is bitwise the same with `switch` on
+    and off (it returns whether the path is on), at every row count, N a multiple of 16 or not."""
+    ops = torch.ops.eaglespec_w4a8
+    torch.manual_seed(seed)
+    x = torch.randn(max(ROW_COUNTS), k).to(dtype)
+    for n in (160, 97):
+        layer = _layer(n, k, bias=False)
+        w4, w8 = w4a8.W4A8Linear.from_linear(layer), w4a8.W8A8Linear.from_linear(layer)
+        r = torch.randn(max(ROW_COUNTS), n).to(dtype)
+        for m in ROW_COUNTS:
+            got = []
+            for on in (True, False):
+                assert switch(on) == on
+                got.append(
+                    (
+                        ops.linear(x[:m], w4.weight, n),
+                        ops.linear8(x[:m], w8.weight, n),
+                        ops.linear_add(x[:m], w4.weight, n, r[:m]),
+                    )
+                )
+            for a, b in zip(*got, strict=True):
+                assert torch.equal(a, b), (n, m)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [576, 8960])
 def test_amx_tiles_give_the_vnni_bits(dtype: torch.dtype, k: int) -> None:
@@ -198,25 +227,7 @@ def test_amx_tiles_give_the_vnni_bits(dtype: torch.dtype, k: int) -> None:
         pytest.skip("no AMX here (or the OS does not grant its tile state)")
     default = {bits: ops.amx_min_rows(bits, 1) for bits in (4, 8)}
     try:
-        torch.manual_seed(4)
-        x = torch.randn(max(ROW_COUNTS), k).to(dtype)
-        for n in (160, 97):
-            layer = _layer(n, k, bias=False)
-            w4, w8 = w4a8.W4A8Linear.from_linear(layer), w4a8.W8A8Linear.from_linear(layer)
-            r = torch.randn(max(ROW_COUNTS), n).to(dtype)
-            for m in ROW_COUNTS:
-                got = []
-                for amx in (True, False):
-                    assert ops.use_amx(amx) == amx
-                    got.append(
-                        (
-                            ops.linear(x[:m], w4.weight, n),
-                            ops.linear8(x[:m], w8.weight, n),
-                            ops.linear_add(x[:m], w4.weight, n, r[:m]),
-                        )
-                    )
-                for a, b in zip(*got, strict=True):
-                    assert torch.equal(a, b), (n, m)
+        _both_paths_agree(ops.use_amx, dtype, k, seed=4)
     finally:
         ops.use_amx(True)
         for bits, rows in default.items():
@@ -233,25 +244,7 @@ def test_the_avx2_path_gives_the_avx512_bits(dtype: torch.dtype, k: int) -> None
     if ops.use_avx2(False):
         pytest.skip("no AVX-512 VNNI here: the AVX2 path is the only one")
     try:
-        torch.manual_seed(5)
-        x = torch.randn(max(ROW_COUNTS), k).to(dtype)
-        for n in (160, 97):
-            layer = _layer(n, k, bias=False)
-            w4, w8 = w4a8.W4A8Linear.from_linear(layer), w4a8.W8A8Linear.from_linear(layer)
-            r = torch.randn(max(ROW_COUNTS), n).to(dtype)
-            for m in ROW_COUNTS:
-                got = []
-                for avx2 in (True, False):
-                    assert ops.use_avx2(avx2) == avx2
-                    got.append(
-                        (
-                            ops.linear(x[:m], w4.weight, n),
-                            ops.linear8(x[:m], w8.weight, n),
-                            ops.linear_add(x[:m], w4.weight, n, r[:m]),
-                        )
-                    )
-                for a, b in zip(*got, strict=True):
-                    assert torch.equal(a, b), (n, m)
+        _both_paths_agree(ops.use_avx2, dtype, k, seed=5)
     finally:
         ops.use_avx2(False)
 

@@ -38,20 +38,6 @@ bool avx512_supported() {
          __builtin_cpu_supports("avx512vl");
 }
 
-// AVX2 with FMA and F16C (x86-64-v3): the AVX2 path (below), the same bits.
-bool avx2_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-
-bool cpu_supported() { return avx512_supported() || avx2_supported(); }
-
-// Whether the kernel takes its AVX2 path: where AVX-512 is missing, or where `use_avx2(true)`
-// asked for it (tests compare the two paths bit for bit).
-std::atomic<bool> avx2_wanted{false};
-bool avx2_on() { return !avx512_supported() || avx2_wanted.load(std::memory_order_relaxed); }
-
 // 16 values from fp32 or bf16 memory -> fp32 lanes.
 ATTN_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 ATTN_TARGET inline __m512 load16(const at::BFloat16* p) {
@@ -62,6 +48,14 @@ ATTN_TARGET inline __m512 load16(const at::BFloat16* p) {
 #define EAGLESPEC_SIMD_TARGET ATTN_TARGET
 #include "simd_exp.h"
 #include "simd16_avx2.h"
+
+// AVX-512, or AVX2 with FMA and F16C (x86-64-v3): the AVX2 path, the same bits.
+bool cpu_supported() { return avx512_supported() || avx2::supported(); }
+
+// Whether the kernel takes its AVX2 path: where AVX-512 is missing, or where `use_avx2(true)`
+// asked for it (tests compare the two paths bit for bit).
+std::atomic<bool> avx2_wanted{false};
+bool avx2_on() { return !avx512_supported() || avx2_wanted.load(std::memory_order_relaxed); }
 
 struct Strides {  // element strides of a (B, heads, rows, D) tensor; the last one is 1
   int64_t b, h, r;

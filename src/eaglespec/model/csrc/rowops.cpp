@@ -49,20 +49,6 @@ bool avx512_supported() {
          __builtin_cpu_supports("avx512vl");
 }
 
-// AVX2 with FMA and F16C (x86-64-v3): the AVX2 path (simd16_avx2.h), the same bits.
-bool avx2_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-
-bool cpu_supported() { return avx512_supported() || avx2_supported(); }
-
-// Whether the ops take their AVX2 path: where AVX-512 is missing, or where `use_avx2(true)`
-// asked for it (tests compare the two paths bit for bit).
-std::atomic<bool> avx2_wanted{false};
-bool avx2_on() { return !avx512_supported() || avx2_wanted.load(std::memory_order_relaxed); }
-
 // The first n (<= 16) values from fp32 or bf16 memory -> fp32 lanes, the rest 0.
 ROWOPS_TARGET inline __m512 load16(const float* p, __mmask16 mask) {
   return _mm512_maskz_loadu_ps(mask, p);
@@ -99,6 +85,14 @@ ROWOPS_TARGET inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
 #define EAGLESPEC_SIMD_TARGET ROWOPS_TARGET
 #include "simd_exp.h"
 #include "simd16_avx2.h"
+
+// AVX-512, or AVX2 with FMA and F16C (x86-64-v3): the AVX2 path, the same bits.
+bool cpu_supported() { return avx512_supported() || avx2::supported(); }
+
+// Whether the ops take their AVX2 path: where AVX-512 is missing, or where `use_avx2(true)`
+// asked for it (tests compare the two paths bit for bit).
+std::atomic<bool> avx2_wanted{false};
+bool avx2_on() { return !avx512_supported() || avx2_wanted.load(std::memory_order_relaxed); }
 
 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);

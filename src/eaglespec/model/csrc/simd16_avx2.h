@@ -16,6 +16,13 @@ namespace avx2 {
 
 #define EAGLESPEC_AVX2 __attribute__((target("avx2,fma,f16c"))) inline
 
+// Whether this CPU runs the AVX2 paths: AVX2 with FMA and F16C (x86-64-v3).
+inline bool supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
 struct F16 {
   __m256 lo, hi;  // lanes 0-7, 8-15
 };

@@ -59,6 +59,8 @@
 #include <optional>
 #include <vector>
 
+#include "simd16_avx2.h"  // AVX2 paths: 16 lanes as two halves, the AVX-512 reductions' order
+
 namespace {
 
 constexpr int64_t kGroup = 32;
@@ -92,14 +94,6 @@ bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
-
-// AVX2 with FMA and F16C (x86-64-v3: AMD Zen 1-3, Intel client cores since Haswell without
-// AVX-512): the AVX2 path (below), the same bits as the AVX-512 one.
-bool avx2_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
 }
 
 // Whether the kernels run their AVX2 path: where AVX-512 VNNI is missing, or where
@@ -313,22 +307,6 @@ W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r,
 
 constexpr int kTile2 = 4;  // activation rows sharing a loaded half group (16 ymm registers)
 
-// 8 activations from fp32 or bf16 memory -> fp32 lanes.
-W4A8_AVX2_TARGET inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-W4A8_AVX2_TARGET inline __m256 load8(const at::BFloat16* p) {
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-
-// _mm512_reduce_add_ps of the 16 lanes (lo: 0-7, hi: 8-15), in its order (GCC's: the 256-bit
-// halves added, then the 128-bit halves, then lanes 0 + 2 and 1 + 3, then those two).
-W4A8_AVX2_TARGET inline float reduce_add16(__m256 lo, __m256 hi) {
-  const __m256 t3 = _mm256_add_ps(hi, lo);
-  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
-  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
-}
-
 W4A8_AVX2_TARGET inline float reduce_max8(__m256 v) {
   const __m128 a = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
   const __m128 b = _mm_max_ps(a, _mm_shuffle_ps(a, a, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -348,7 +326,7 @@ W4A8_AVX2_TARGET void quantize_row_avx2(const T* x, const Rows& r) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < r.ng; ++g) {
     __m256 v[4];  // the group's 32 values, 8 a register
-    for (int i = 0; i < 4; ++i) v[i] = load8(x + g * kGroup + 8 * i);
+    for (int i = 0; i < 4; ++i) v[i] = avx2::load8(x + g * kGroup + 8 * i);
     const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
     const float amax = reduce_max8(m);
@@ -361,7 +339,7 @@ W4A8_AVX2_TARGET void quantize_row_avx2(const T* x, const Rows& r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.xq + g * kGroup), q);
     r.dx[g] = amax / 127.0f;
     // _mm512_reduce_add_ps(a + b) with a = values 0-15 and b = 16-31
-    r.xsum[g] = reduce_add16(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+    r.xsum[g] = avx2::reduce_add({_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3])});
     const __m256i q16a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
     const __m256i q16b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
     const __m256i s32 = _mm256_madd_epi16(_mm256_add_epi16(q16a, q16b), _mm256_set1_epi16(1));
@@ -673,7 +651,7 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) 
 
 void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N, int bits) {
   const char* op = bits == 4 ? "w4a8" : "w8a8";
-  TORCH_CHECK(cpu_supported() || avx2_supported(), op, ": this CPU lacks AVX2 (and AVX-512)");
+  TORCH_CHECK(cpu_supported() || avx2::supported(), op, ": this CPU lacks AVX2 (and AVX-512)");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2, op, ": x must be (M, K), got ", x.sizes());
   const int64_t K = x.size(1);
@@ -728,7 +706,7 @@ at::Tensor w4a8_linear_add(const at::Tensor& x, const at::Tensor& w, int64_t N,
   return linear<4>(x, w, N, residual);
 }
 
-bool w4a8_supported() { return cpu_supported() || avx2_supported(); }
+bool w4a8_supported() { return cpu_supported() || avx2::supported(); }
 
 // Whether the kernels take their AVX2 path from now on where AVX-512 VNNI would run (`force`);
 // returns whether they do (always where AVX-512 VNNI is missing). The bits are the same either
