@@ -148,7 +148,12 @@ def _kernel_line() -> str:
 
     missing = w4a8.available()
     if missing is None:
-        return "w4a8 kernel: runs on this CPU, so the default-precision tests ran bf16 w4a8"
+        # use_avx2(False) is the default setting, and says whether the CPU still takes AVX2
+        path = "AVX2" if torch.ops.eaglespec_w4a8.use_avx2(False) else "AVX-512 VNNI"
+        return (
+            f"w4a8 kernel: runs on this CPU ({path} path), so the default-precision tests ran "
+            "bf16 w4a8"
+        )
     return (
         f"w4a8 kernel: NOT available ({missing}); the commands' default precision here is fp32, "
         "so the tests of the default precision ran the fp32 fallback instead of bf16 w4a8"
