@@ -1,6 +1,6 @@
-// Attention of query tokens onto a KV cache, on x86 CPUs with AVX-512: the decode,
-// verification and (with their causal mask) eager prefill attention of eaglespec
-// (eaglespec/model/cpu_attention.py has the why and the measurements).
+// Attention of query tokens onto a KV cache, on x86 CPUs with AVX-512 or AVX2 (the AVX2 path below
+// gives the same bits): the decode, verification and (with their causal mask) eager prefill
+// attention of eaglespec (eaglespec/model/cpu_attention.py has the why and the measurements).
 //
 // out[b, h, t] = sum_j p[j] v[b, h / G, j] / sum_j p[j],   p[j] = exp(s[j] - max_j s[j]),
 // s[j] = (q[b, h, t] . k[b, h / G, j]) * scale where mask[b, t, j] (all j without a mask),

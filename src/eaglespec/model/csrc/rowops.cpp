@@ -1,5 +1,6 @@
-// Row-wise ops of a decode step on x86 CPUs with AVX-512, where PyTorch's eager ops cost more in
-// dispatch than in work (eaglespec/model/cpu_rowops.py has the why and the measurements).
+// Row-wise ops of a decode step on x86 CPUs with AVX-512 or AVX2 (the AVX2 path gives the same
+// bits), where PyTorch's eager ops cost more in dispatch than in work
+// (eaglespec/model/cpu_rowops.py has the why and the measurements).
 //
 // rms_norm: y[m] = x[m] * (1 / sqrt(mean_c x[m, c]^2 + eps)) * w, in fp32, rounded once to x's
 // dtype. Each row is computed alone, by one thread, through the same instructions whatever the

@@ -1,5 +1,6 @@
-// int4 and int8 weights x int8 activations on x86 CPUs with AVX-512 VNNI: the matmuls of
-// `--quant w4a8` (eaglespec/model/w4a8.py has the formats, the math and the measurements).
+// int4 and int8 weights x int8 activations on x86 CPUs with AVX-512 VNNI or AVX2 (the AVX2 path
+// below gives the same bits): the matmuls of `--quant w4a8` (eaglespec/model/w4a8.py has the
+// formats, the math and the measurements).
 // `linear` takes 4-bit weights (the decoder's), `linear8` 8-bit ones (the output head's, GGUF's
 // Q8_0 blocks); both quantize the activations the same way (quantize_row).
 //
