@@ -30,9 +30,10 @@ step gets once the accepted path is moved to the front of the cache. Other paths
 Numerics: scores, softmax and the weighted sum in fp32 (exp by a Cephes polynomial, within 2 ulp
 of expf); the output is rounded once to q's dtype. `reference` is the same math in torch.
 
-AVX2 (x86-64-v3, csrc/simd16_avx2.h): each row alone through 16 lanes held in two 8-lane
-registers, the same operations lane for lane and the reductions in the AVX-512 order, so the same
-bits (`torch.ops.eaglespec_attention.use_avx2(True)` asks for it where AVX-512 runs; tests compare).
+AVX2 (x86-64-v3, csrc/simd16_avx2.h): 16 lanes held in two 8-lane registers, the same
+operations lane for lane and the reductions in the AVX-512 order, so the same bits; 4-8 rows of a
+KV head share each block's widening, fewer rows and a tree's rows go alone
+(`torch.ops.eaglespec_attention.use_avx2(True)` asks for it where AVX-512 runs; tests compare).
 Needs AVX-512 (F, BW, VL) or AVX2 with FMA and F16C; `available()` says why not where it cannot
 run, and `attend` then falls back to PyTorch's attention.
 """

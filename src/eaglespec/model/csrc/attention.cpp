@@ -30,7 +30,6 @@ namespace {
 constexpr int64_t kTaskKeys = 512;  // (query row, key) pairs a task takes at least
 
 #define ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-#define ATTN_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 bool avx512_supported() {
   __builtin_cpu_init();
@@ -273,23 +272,24 @@ void value_passes(const float* const* p, const float* inv_total, const T* v, int
   for (; i < R; ++i) value_rows<T, C, 1>(p + i, inv_total + i, v, v_stride, K, out + i);
 }
 
-// ---- The AVX2 path (x86-64-v3): each query row alone, on simd16_avx2.h's 16 lanes. A key's
-// score is score_key's (dot16's bits: the same products, summed in _mm512_reduce_add_ps's order),
-// the softmax exp_normalize's and the value sum value_rows', lane for lane, so every row gets
-// the AVX-512 path's bits (tests/test_cpu_attention.py compares the two where both run). Rows do
-// not share their reads of the keys and values here: simpler, and on AVX2 machines what a
-// verification's rows cost is the matmuls'.
+// ---- The AVX2 path (x86-64-v3), on simd16_avx2.h's 16 lanes. A key's score is score_key's
+// (dot16's bits: the same products, summed in _mm512_reduce_add_ps's order), the softmax
+// exp_normalize's and the value sum value_rows', lane for lane, so every row gets the AVX-512
+// path's bits (tests/test_cpu_attention.py compares the two where both run). Rows of a KV head
+// share the widening of its keys and values from kShareFrom rows up (rows_avx2); fewer rows, and
+// a tree's masked rows, go alone (row_avx2).
 
 template <typename T, int C>
-ATTN_AVX2 float score_key_avx2(const avx2::F16 (&qv)[C], const T* kj, float scale) {
+EAGLESPEC_AVX2_TARGET float score_key_avx2(const avx2::F16 (&qv)[C], const T* kj,
+                                           float scale) {
   avx2::F16 acc = avx2::mul(qv[0], avx2::load(kj));
   for (int c = 1; c < C; ++c) acc = avx2::fmadd(qv[c], avx2::load(kj + 16 * c), acc);
   return avx2::reduce_add(acc) * scale;
 }
 
 // exp_normalize on AVX2.
-ATTN_AVX2 float exp_normalize_avx2(float* scores, int64_t K, float top, const bool* mask,
-                                   int64_t mstride, float* packed) {
+EAGLESPEC_AVX2_TARGET float exp_normalize_avx2(float* scores, int64_t K, float top,
+                                               const bool* mask, int64_t mstride, float* packed) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   if (top == neg_inf) {
     std::fill(scores, scores + K, 0.0f);
@@ -298,7 +298,8 @@ ATTN_AVX2 float exp_normalize_avx2(float* scores, int64_t K, float top, const bo
   const avx2::F16 top_v = avx2::set1(top);
   avx2::F16 total_v = avx2::zero();
   for (int64_t j = 0; j < K; j += 16) {
-    const avx2::F16 p = avx2::exp_nonpositive(avx2::sub(avx2::load_n(scores + j, K - j, neg_inf), top_v));
+    const avx2::F16 s = avx2::load_n(scores + j, K - j, neg_inf);
+    const avx2::F16 p = avx2::exp_nonpositive(avx2::sub(s, top_v));
     avx2::store_n(scores + j, p, K - j);
     if (mask == nullptr) total_v = avx2::add(total_v, p);
   }
@@ -307,16 +308,25 @@ ATTN_AVX2 float exp_normalize_avx2(float* scores, int64_t K, float top, const bo
     for (int64_t j = 0; j < K; ++j)
       if (mask[j * mstride]) packed[n++] = scores[j];
     total_v = avx2::zero();
-    for (int64_t i = 0; i < n; i += 16) total_v = avx2::add(total_v, avx2::load_n(packed + i, n - i));
+    for (int64_t i = 0; i < n; i += 16)
+      total_v = avx2::add(total_v, avx2::load_n(packed + i, n - i));
   }
   return 1.0f / avx2::reduce_add(total_v);
 }
 
+// A row's value sums times 1 / its exp-sum, rounded once to T (bf16: nearest), as value_rows.
+template <typename T, int C>
+EAGLESPEC_AVX2_TARGET void store_out_avx2(const avx2::F16 (&acc)[C], float inv, T* out) {
+  alignas(32) float row[16 * C];
+  for (int c = 0; c < C; ++c) avx2::store(row + 16 * c, avx2::mul(acc[c], avx2::set1(inv)));
+  for (int d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(row[d]);
+}
+
 // One query row over its first K keys (`mask`: the row's, or null), out = its attention.
 template <typename T, int C>
-ATTN_AVX2 void row_avx2(const T* q, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
-                        const bool* mask, int64_t mstride, int64_t K, float scale, float* scores,
-                        float* packed, T* out) {
+EAGLESPEC_AVX2_TARGET void row_avx2(const T* q, const T* k, int64_t k_stride, const T* v,
+                                    int64_t v_stride, const bool* mask, int64_t mstride, int64_t K,
+                                    float scale, float* scores, float* packed, T* out) {
   avx2::F16 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = avx2::load(q + 16 * c);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -339,35 +349,42 @@ ATTN_AVX2 void row_avx2(const T* q, const T* k, int64_t k_stride, const T* v, in
     const T* vj = v + j * v_stride;
     for (int c = 0; c < C; ++c) acc[c] = avx2::fmadd(pj, avx2::load(vj + 16 * c), acc[c]);
   }
-  alignas(32) float row[16 * C];
-  for (int c = 0; c < C; ++c) avx2::store(row + 16 * c, avx2::mul(acc[c], avx2::set1(inv)));
-  for (int d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(row[d]);  // bf16: nearest
+  store_out_avx2<T, C>(acc, inv, out);
 }
-// Up to kShareRows unmasked query rows of one KV head, row i over its first n[i] keys (a causal
-// prefill's rows, a verification's, a step's query heads): each block of 16 keys, and each key's
-// values, widened from T to fp32 once for all of them (into kb and vb, which stay in L1; the
-// widening is exact), then every row scored, normalised and summed exactly as row_avx2 would:
-// the same products in the same order. Rows' value sums live in `acc` (R x 16C floats) between
-// blocks. `scores` as score_rows' (row i at scores[i], max n + 16 floats each).
+
 // The fewest rows that share a widening on AVX2 (`python benchmarks/attention_ab.py`, 2026-11-28,
 // AMD EPYC Zen 3, SmolLM2's 9/3 heads: 3 rows of a KV head 1.10-1.17x slower through it than
 // alone, 6-8 rows 0.83-0.90x, a prefill 0.86-0.92x).
 constexpr int kShareFrom = 4;
 
+// Keys or values j0 .. j0 + nb - 1 (nb <= 16) of a KV head widened from T to fp32 into kb (16C
+// floats a key, in L1; exact).
 template <typename T, int C>
-ATTN_AVX2 void rows_avx2(const T* const* q, const T* k, int64_t k_stride, const T* v,
-                         int64_t v_stride, const int64_t* n, int R, float scale,
-                         float* const* scores, float* packed, float* kb, float* acc,
-                         T* const* out) {
+EAGLESPEC_AVX2_TARGET void widen_block(const T* src, int64_t stride, int64_t j0, int64_t nb,
+                                       float* kb) {
+  for (int64_t j = 0; j < nb; ++j)
+    for (int c = 0; c < C; ++c)
+      avx2::store(kb + (j * C + c) * 16, avx2::load(src + (j0 + j) * stride + 16 * c));
+}
+
+// Up to kShareRows unmasked query rows of one KV head, row i over its first n[i] keys (a causal
+// prefill's rows, a verification's, a step's query heads): each block of 16 keys, then of their
+// values, widened once for all of them (widen_block into kb), then every row scored, normalised
+// and summed exactly as row_avx2 would: the same products in the same order. Rows' value sums
+// live in `acc` (R x 16C floats) between blocks. `scores` as score_rows' (row i at scores[i],
+// max n + 16 floats each).
+template <typename T, int C>
+EAGLESPEC_AVX2_TARGET void rows_avx2(const T* const* q, const T* k, int64_t k_stride, const T* v,
+                                     int64_t v_stride, const int64_t* n, int R, float scale,
+                                     float* const* scores, float* packed, float* kb, float* acc,
+                                     T* const* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t nmax = 0;
   float top[kShareRows], inv[kShareRows];
   for (int i = 0; i < R; ++i) nmax = std::max(nmax, n[i]), top[i] = neg_inf;
   for (int64_t j0 = 0; j0 < nmax; j0 += 16) {
     const int64_t nb = std::min<int64_t>(16, nmax - j0);
-    for (int64_t j = 0; j < nb; ++j)
-      for (int c = 0; c < C; ++c)
-        avx2::store(kb + (j * C + c) * 16, avx2::load(k + (j0 + j) * k_stride + 16 * c));
+    widen_block<T, C>(k, k_stride, j0, nb, kb);
     for (int i = 0; i < R; ++i) {
       avx2::F16 qv[C];
       for (int c = 0; c < C; ++c) qv[c] = avx2::load(q[i] + 16 * c);
@@ -384,9 +401,7 @@ ATTN_AVX2 void rows_avx2(const T* const* q, const T* k, int64_t k_stride, const 
   }
   for (int64_t j0 = 0; j0 < nmax; j0 += 16) {
     const int64_t nb = std::min<int64_t>(16, nmax - j0);
-    for (int64_t j = 0; j < nb; ++j)
-      for (int c = 0; c < C; ++c)
-        avx2::store(kb + (j * C + c) * 16, avx2::load(v + (j0 + j) * v_stride + 16 * c));
+    widen_block<T, C>(v, v_stride, j0, nb, kb);
     for (int i = 0; i < R; ++i) {
       const int64_t here = std::min(nb, n[i] - j0);
       if (here <= 0) continue;
@@ -402,10 +417,9 @@ ATTN_AVX2 void rows_avx2(const T* const* q, const T* k, int64_t k_stride, const 
     }
   }
   for (int i = 0; i < R; ++i) {
-    alignas(32) float row[16 * C];
-    for (int c = 0; c < C; ++c)
-      avx2::store(row + 16 * c, avx2::mul(avx2::load(acc + (i * C + c) * 16), avx2::set1(inv[i])));
-    for (int d = 0; d < 16 * C; ++d) out[i][d] = static_cast<T>(row[d]);  // bf16: nearest
+    avx2::F16 a[C];
+    for (int c = 0; c < C; ++c) a[c] = avx2::load(acc + (i * C + c) * 16);
+    store_out_avx2<T, C>(a, inv[i], out[i]);
   }
 }
 // ---- end of the AVX2 path

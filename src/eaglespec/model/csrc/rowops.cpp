@@ -42,7 +42,6 @@ namespace {
 constexpr int64_t kTaskValues = 1 << 16;  // values a task takes at least (a second thread pays)
 
 #define ROWOPS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-#define ROWOPS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 bool avx512_supported() {
   __builtin_cpu_init();
@@ -103,7 +102,8 @@ inline __mmask16 tail_mask(int64_t n) {
 // same bits (tests/test_rowops.py compares the two where both run).
 
 template <typename T, typename W>
-ROWOPS_AVX2 void rms_norm_row_avx2(const T* x, const W* w, T* y, int64_t C, float eps) {
+EAGLESPEC_AVX2_TARGET void rms_norm_row_avx2(const T* x, const W* w, T* y, int64_t C,
+                                             float eps) {
   avx2::F16 ss = avx2::zero();
   for (int64_t c = 0; c < C; c += 16) {
     const avx2::F16 v = avx2::load_n(x + c, C - c);
@@ -118,7 +118,7 @@ ROWOPS_AVX2 void rms_norm_row_avx2(const T* x, const W* w, T* y, int64_t C, floa
 }
 
 template <typename T>
-ROWOPS_AVX2 void silu_mul_row_avx2(const T* g, const T* u, T* y, int64_t I) {
+EAGLESPEC_AVX2_TARGET void silu_mul_row_avx2(const T* g, const T* u, T* y, int64_t I) {
   const avx2::F16 one = avx2::set1(1.0f);
   for (int64_t i = 0; i < I; i += 16) {
     const avx2::F16 x = avx2::load_n(g + i, I - i);
@@ -131,7 +131,7 @@ ROWOPS_AVX2 void silu_mul_row_avx2(const T* g, const T* u, T* y, int64_t I) {
 }
 
 template <typename T>
-ROWOPS_AVX2 avx2::F16 round_avx2(avx2::F16 v) {
+EAGLESPEC_AVX2_TARGET avx2::F16 round_avx2(avx2::F16 v) {
   if constexpr (std::is_same_v<T, float>)
     return v;
   else
@@ -139,8 +139,9 @@ ROWOPS_AVX2 avx2::F16 round_avx2(avx2::F16 v) {
 }
 
 template <typename T>
-ROWOPS_AVX2 void rope_write_token_avx2(const T* x, const T* cos, const T* sin, int64_t H,
-                                       int64_t Hkv, int64_t D, T* qo, T* kc, T* vc, int64_t hs) {
+EAGLESPEC_AVX2_TARGET void rope_write_token_avx2(const T* x, const T* cos, const T* sin,
+                                                 int64_t H, int64_t Hkv, int64_t D, T* qo, T* kc,
+                                                 T* vc, int64_t hs) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < H + Hkv; ++h) {
     const T* xh = x + h * D;
@@ -158,7 +159,7 @@ ROWOPS_AVX2 void rope_write_token_avx2(const T* x, const T* cos, const T* sin, i
     std::copy(x + (H + Hkv + h) * D, x + (H + Hkv + h + 1) * D, vc + h * hs);
 }
 
-ROWOPS_AVX2 int64_t argmax_row_avx2(const float* x, int64_t V) {
+EAGLESPEC_AVX2_TARGET int64_t argmax_row_avx2(const float* x, int64_t V) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   avx2::F16 best = avx2::set1(neg_inf);
   avx2::Mask nan = 0;
@@ -319,6 +320,7 @@ ROWOPS_TARGET int64_t argmax_row(const float* x, int64_t V) {
   }
   return 0;  // not reached: the maximum is one of the values
 }
+
 }  // namespace
 
 // x (..., 2I): gate then up -> (..., I) in x's dtype.

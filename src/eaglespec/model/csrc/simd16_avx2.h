@@ -14,7 +14,9 @@
 
 namespace avx2 {
 
-#define EAGLESPEC_AVX2 __attribute__((target("avx2,fma,f16c"))) inline
+// The target of every AVX2 function, here and in the kernels' AVX2 paths.
+#define EAGLESPEC_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define EAGLESPEC_AVX2 EAGLESPEC_AVX2_TARGET inline
 
 // Whether this CPU runs the AVX2 paths: AVX2 with FMA and F16C (x86-64-v3).
 inline bool supported() {
@@ -87,11 +89,21 @@ EAGLESPEC_AVX2 void store_n(at::BFloat16* p, F16 v, int64_t n) {
 }
 EAGLESPEC_AVX2 void store(at::BFloat16* p, F16 v) { store_n(p, v, 16); }
 
-EAGLESPEC_AVX2 F16 add(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-EAGLESPEC_AVX2 F16 sub(F16 a, F16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-EAGLESPEC_AVX2 F16 mul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-EAGLESPEC_AVX2 F16 div(F16 a, F16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
-EAGLESPEC_AVX2 F16 max(F16 a, F16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+EAGLESPEC_AVX2 F16 add(F16 a, F16 b) {
+  return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+EAGLESPEC_AVX2 F16 sub(F16 a, F16 b) {
+  return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+}
+EAGLESPEC_AVX2 F16 mul(F16 a, F16 b) {
+  return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+EAGLESPEC_AVX2 F16 div(F16 a, F16 b) {
+  return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+}
+EAGLESPEC_AVX2 F16 max(F16 a, F16 b) {
+  return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+}
 // a * b + c, and c - a * b, each rounded once
 EAGLESPEC_AVX2 F16 fmadd(F16 a, F16 b, F16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
@@ -153,10 +165,13 @@ EAGLESPEC_AVX2 __m256 exp_nonpositive8(__m256 x) {
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
-EAGLESPEC_AVX2 F16 exp_nonpositive(F16 x) { return {exp_nonpositive8(x.lo), exp_nonpositive8(x.hi)}; }
+EAGLESPEC_AVX2 F16 exp_nonpositive(F16 x) {
+  return {exp_nonpositive8(x.lo), exp_nonpositive8(x.hi)};
+}
 
 #undef EAGLESPEC_AVX2
 

@@ -256,7 +256,7 @@ W4A8_TARGET inline void group_steps(const uint8_t* gp, __m512i (&w)[8]) {
 // (measured against T0: the decoder pass 5-9% and the head 9-13% faster at 1-2 rows, the same
 // from 4 rows up; session 26).
 template <int Bits>
-W4A8_TARGET inline void prefetch_ahead(const uint8_t* gp) {
+inline void prefetch_ahead(const uint8_t* gp) {  // SSE's prefetch only: the AVX2 path's too
   for (int64_t o = 0; o < group_bytes(Bits); o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(gp + kPrefetch + o), _MM_HINT_T1);
 }
@@ -304,17 +304,9 @@ W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r,
 // in _mm512_reduce_add_ps's order), so the AVX2 path gives the AVX-512 path's bits
 // (tests/test_w4a8.py compares them where both run).
 
-#define W4A8_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-
 constexpr int kTile2 = 4;  // activation rows sharing a loaded half group (16 ymm registers)
 
-W4A8_AVX2_TARGET inline float reduce_max8(__m256 v) {
-  const __m128 a = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  const __m128 b = _mm_max_ps(a, _mm_shuffle_ps(a, a, _MM_SHUFFLE(1, 0, 3, 2)));
-  return std::max(_mm_cvtss_f32(b), _mm_cvtss_f32(_mm_shuffle_ps(b, b, 1)));
-}
-
-W4A8_AVX2_TARGET inline int32_t reduce_add8_epi32(__m256i v) {
+EAGLESPEC_AVX2_TARGET inline int32_t reduce_add8_epi32(__m256i v) {
   const __m128i a = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
   const __m128i b = _mm_add_epi32(a, _mm_shuffle_epi32(a, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtsi128_si32(_mm_add_epi32(b, _mm_shuffle_epi32(b, 1)));
@@ -322,15 +314,13 @@ W4A8_AVX2_TARGET inline int32_t reduce_add8_epi32(__m256i v) {
 
 // quantize_row on AVX2: the same codes, dx, xsum and qbias.
 template <typename T>
-W4A8_AVX2_TARGET void quantize_row_avx2(const T* x, const Rows& r) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
+EAGLESPEC_AVX2_TARGET void quantize_row_avx2(const T* x, const Rows& r) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < r.ng; ++g) {
     __m256 v[4];  // the group's 32 values, 8 a register
     for (int i = 0; i < 4; ++i) v[i] = avx2::load8(x + g * kGroup + 8 * i);
-    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    const float amax = reduce_max8(m);
+    const float amax =
+        avx2::reduce_max(avx2::max(avx2::abs({v[0], v[1]}), avx2::abs({v[2], v[3]})));
     const __m256 vinv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     __m256i c[4];  // rounded to nearest even, as _mm512_cvtps_epi32
     for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv));
@@ -352,11 +342,12 @@ W4A8_AVX2_TARGET void quantize_row_avx2(const T* x, const Rows& r) {
 // 4t..4t+3), for 4 bits unpacked from the record's 4 loads of low and high nibbles; for 8 bits
 // the signed codes (the stored q + 128 with its top bit flipped).
 template <int Bits>
-W4A8_AVX2_TARGET inline void half_steps(const uint8_t* gp, int half, __m256i (&w)[8]) {
+EAGLESPEC_AVX2_TARGET inline void half_steps(const uint8_t* gp, int half, __m256i (&w)[8]) {
   if constexpr (Bits == 4) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int L = 0; L < 4; ++L) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + L * 64 + 32 * half));
+      const auto* p = reinterpret_cast<const __m256i*>(gp + L * 64 + 32 * half);
+      const __m256i v = _mm256_loadu_si256(p);
       w[2 * L] = _mm256_and_si256(v, low4);
       w[2 * L + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
     }
@@ -368,12 +359,19 @@ W4A8_AVX2_TARGET inline void half_steps(const uint8_t* gp, int half, __m256i (&w
   }
 }
 
+// One step of 8 signed weight rows (4 codes each) against 4 signed activation codes (x, a dword)
+// -> int32 per row, exact: vpmaddubsw wants an unsigned operand, so |x| and w with x's signs.
+EAGLESPEC_AVX2_TARGET inline __m256i signed_step(__m256i w, int32_t x) {
+  const __m256i xt = _mm256_set1_epi32(x);
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xt), _mm256_sign_epi8(w, xt));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
 // One half group's int32 dot products of 8 weight rows with one activation row's 32 codes (x,
 // as 8 dwords): exactly vpdpbusd's sums (for 8 bits: of the signed codes, which is vpdpbusd's
 // sum of q + 128 plus the row's qbias).
 template <int Bits>
-W4A8_AVX2_TARGET inline __m256i half_dot(const __m256i (&w)[8], const int32_t* x) {
-  const __m256i ones = _mm256_set1_epi16(1);
+EAGLESPEC_AVX2_TARGET inline __m256i half_dot(const __m256i (&w)[8], const int32_t* x) {
   if constexpr (Bits == 4) {
     __m256i a = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x[0]));
     __m256i b = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x[1]));
@@ -381,17 +379,12 @@ W4A8_AVX2_TARGET inline __m256i half_dot(const __m256i (&w)[8], const int32_t* x
       a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(x[t])));
       b = _mm256_add_epi16(b, _mm256_maddubs_epi16(w[t + 1], _mm256_set1_epi32(x[t + 1])));
     }
-    return _mm256_madd_epi16(_mm256_add_epi16(a, b), ones);
+    return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
   } else {
     __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
     for (int t = 0; t < 8; t += 2) {
-      const __m256i x0 = _mm256_set1_epi32(x[t]), x1 = _mm256_set1_epi32(x[t + 1]);
-      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x0),
-                                                                     _mm256_sign_epi8(w[t], x0)),
-                                                ones));
-      b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x1),
-                                                                     _mm256_sign_epi8(w[t + 1], x1)),
-                                                ones));
+      a = _mm256_add_epi32(a, signed_step(w[t], x[t]));
+      b = _mm256_add_epi32(b, signed_step(w[t + 1], x[t + 1]));
     }
     return _mm256_add_epi32(a, b);
   }
@@ -401,7 +394,7 @@ W4A8_AVX2_TARGET inline __m256i half_dot(const __m256i (&w)[8], const int32_t* x
 // half's accumulators go through `accumulate`'s operations in its order, so its 8 outputs are
 // lanes 8 half .. 8 half + 7 of the AVX-512 path's, bit for bit.
 template <int Bits, int MB, typename T>
-W4A8_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T* y, const T* r,
+EAGLESPEC_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T* y, const T* r,
                                       int64_t ldy, int64_t valid) {
   for (int half = 0; half < 2; ++half) {
     const int64_t here = std::min<int64_t>(8, valid - 8 * half);
@@ -411,9 +404,7 @@ W4A8_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T* y, c
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < x.ng; ++g) {
       const uint8_t* gp = blk + g * group_bytes(Bits);
-      if (half == 0)  // as prefetch_ahead; the second half reads the same lines
-        for (int64_t o = 0; o < group_bytes(Bits); o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(gp + kPrefetch + o), _MM_HINT_T1);
+      if (half == 0) prefetch_ahead<Bits>(gp);  // the second half reads the same lines
       __m256i w[8];
       half_steps<Bits>(gp, half, w);
       const uint8_t* sp = gp + code_bytes(Bits) + 16 * half;
