@@ -29,6 +29,7 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs
+from eaglespec.train import trainer
 from eaglespec.train.batching import length_batches
 from eaglespec.train.data import (
     Conversation,
@@ -40,7 +41,7 @@ from eaglespec.train.features import FeatureShard, _capture_batch, _concat
 from eaglespec.train.meter import NEVER, Deadline
 from eaglespec.train.pipeline import build_head, regen_deadlines
 from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
-from eaglespec.train.trainer import TrainConfig, train
+from eaglespec.train.trainer import TrainConfig, autocast_dtype, train
 from eaglespec.train.ttt import TTTBatch, TTTOutput, _ttt_mask, position_loss, ttt_forward
 from eaglespec.train.vocab import build_draft_vocab, target_ids
 from helpers import NullTokenizer, tiny_target
@@ -592,6 +593,25 @@ def test_training_stops_at_its_deadline_and_keeps_the_part_epoch(tmp_path: Path)
     assert torch.load(ckpt, weights_only=False)["step"] == 2
     rest = train(head, feats, vocab, rows, cfg, checkpoint=ckpt)
     assert [h.step for h in rest] == list(range(3, 2 * per_epoch + 1))
+
+
+def test_train_dtype_auto_is_bf16_only_where_the_device_has_bf16_matmuls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--train-dtype auto` (the default): bf16 autocast where the device has bf16 matmul
+    kernels, none (fp32) where it does not, as on an AVX2 CPU; an explicit dtype is kept."""
+    cpu = torch.device("cpu")
+    cfg = TrainConfig()
+    assert cfg.dtype == "auto"
+    for has, want in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(trainer, "has_bf16_matmul", lambda device, has=has: has)
+        assert autocast_dtype("auto", cpu) == ("bfloat16" if has else "float32")
+        assert autocast_dtype("float16", cpu) == "float16"
+        with cfg.autocast(cpu):
+            y = torch.ones(2, 2) @ torch.ones(2, 2)
+        assert y.dtype == (want or torch.float32)
+    with pytest.raises(ValueError, match="auto or one of"):
+        TrainConfig(dtype="int8")
 
 
 def test_regen_budget_leaves_the_summaries_their_share() -> None:

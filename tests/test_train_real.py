@@ -17,6 +17,7 @@ from eaglespec.heads import packaged_head
 from eaglespec.model.loader import load_model
 from eaglespec.registry import pull
 from eaglespec.train.regen import read_samples
+from eaglespec.train.trainer import has_bf16_matmul
 
 pytestmark = pytest.mark.real
 
@@ -56,6 +57,10 @@ def test_train_end_to_end_resumes_and_reports_throughput(tmp_path: Path) -> None
     assert whole.returncode == 0, whole.stderr
     report = json.loads((out / "train_report.json").read_text())
     assert report["target_precision"]["quant"] == "w4a8"  # the commands' default precision
+    # --train-dtype auto: bf16 only where this CPU has bf16 matmul kernels (an AVX2 CPU has not)
+    assert report["train_dtype"] == (
+        "bfloat16" if has_bf16_matmul(torch.device("cpu")) else "float32"
+    )
     lines = responses.read_text().splitlines()
     assert lines[:2] == kept and len(lines) == len(questions)  # resumed: only the rest answered
     assert report["regen"]["new"] == len(questions) - 2

@@ -202,9 +202,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--grad-clip", type=float, default=0.5)
     g.add_argument(
         "--train-dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default="bfloat16",
-        help="autocast dtype; float32 = none",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        default="auto",
+        help="autocast dtype; float32 = none; auto = bfloat16 where the device has bf16 matmul "
+        "kernels (a GPU, an AVX-512 or AMX CPU), else float32 (an AVX2 CPU, where bf16 runs "
+        "many times slower)",
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu", help="cpu or cuda (runs under torchrun too)")

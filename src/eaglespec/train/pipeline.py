@@ -50,7 +50,14 @@ from eaglespec.train.synth import (
     summary_prompts,
     synthesize_prompts,
 )
-from eaglespec.train.trainer import StepStats, TrainConfig, evaluate, train, world
+from eaglespec.train.trainer import (
+    StepStats,
+    TrainConfig,
+    autocast_dtype,
+    evaluate,
+    train,
+    world,
+)
 from eaglespec.train.vocab import DraftVocab, build_draft_vocab, target_ids
 
 STAGES = ("regen", "features", "train", "eval")
@@ -257,6 +264,9 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
             "the target's, mapped onto its scale"
         )
         log(f"train: continuing from the head in {cfg.init_from} ({rows_note})")
+    amp = autocast_dtype(cfg.train.dtype, torch.device(cfg.device))
+    report["train_dtype"] = amp
+    log(f"train: the head's matmuls in {amp} (--train-dtype {cfg.train.dtype})")
     curve: list[dict[str, Any]] = []
     heldout_curve: list[dict[str, Any]] = []
     meter = Meter("train", "steps", log, every=60.0)

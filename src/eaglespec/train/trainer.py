@@ -1,5 +1,6 @@
 """Training loop for an EAGLE-3 head on captured features: batches, AdamW with warmup and decay,
-gradient clipping, bf16 autocast, checkpoints with resume, DistributedDataParallel under torchrun.
+gradient clipping, autocast (bf16 where the device has bf16 kernels), checkpoints with resume,
+DistributedDataParallel under torchrun.
 
 Batches are global: samples sorted by length are cut into batches of at most `batch_tokens` padded
 positions, shuffled per epoch by a seeded generator, and each batch's rows are split across ranks
@@ -33,6 +34,27 @@ from eaglespec.train.ttt import LOSSES, TTTBatch, ttt_forward
 from eaglespec.train.vocab import DraftVocab
 
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+AUTO = "auto"
+
+
+def has_bf16_matmul(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 matrices with kernels made for them: a CUDA GPU that
+    supports bf16, or a CPU where oneDNN has bf16 kernels (AVX-512 or AMX; its own check). On an
+    AVX2 CPU torch takes a slow generic path instead: one TTT step of the SmolLM2 head under bf16
+    autocast took 32x fp32's time (2026-11-28, AMD EPYC Zen 3, 2 threads; BENCHMARKS.md)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> str:
+    """`dtype` (a TrainConfig.dtype) with auto resolved for `device`: bfloat16 where it has bf16
+    matmul kernels, else float32 (no autocast)."""
+    if dtype != AUTO:
+        return dtype
+    return "bfloat16" if has_bf16_matmul(device) else "float32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,24 +71,25 @@ class TrainConfig:
     loss: str = "ce"  # per position: soft cross-entropy or LK's negative log acceptance (ttt.py)
     decay: float = 0.8  # step j's loss weight decay^j
     batch_tokens: int = 8192  # padded positions per global batch
-    dtype: str = (
-        "bfloat16"  # autocast dtype for the head's matmuls: bfloat16, float16, float32 = none
-    )
+    # autocast dtype for the head's matmuls: bfloat16, float16, float32 = none, or auto
+    # (bfloat16 where the device has bf16 matmul kernels, else float32: autocast_dtype)
+    dtype: str = AUTO
     seed: int = 0
     checkpoint_every: int = 200  # steps; an epoch end always checkpoints
     max_seconds: float | None = None  # stop training after this long (pipeline.py's Deadline)
 
     def autocast(self, device: torch.device) -> torch.autocast:
         """The head's forward under `dtype` (no autocast for float32); train and evaluate alike."""
-        return torch.autocast(
-            device.type, dtype=AMP_DTYPES[self.dtype], enabled=self.dtype != "float32"
-        )
+        dtype = autocast_dtype(self.dtype, device)
+        return torch.autocast(device.type, dtype=AMP_DTYPES[dtype], enabled=dtype != "float32")
 
     def __post_init__(self) -> None:
         if self.schedule not in ("cosine", "linear"):
             raise ValueError(f"schedule must be cosine or linear, not {self.schedule!r}")
-        if self.dtype not in AMP_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(AMP_DTYPES)}, not {self.dtype!r}")
+        if self.dtype != AUTO and self.dtype not in AMP_DTYPES:
+            raise ValueError(
+                f"dtype must be {AUTO} or one of {', '.join(AMP_DTYPES)}, not {self.dtype!r}"
+            )
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
         if self.ttt_steps < 1 or self.epochs < 1 or self.batch_tokens < 1:
