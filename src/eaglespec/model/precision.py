@@ -11,7 +11,7 @@ but at most 8 bits, with some at 4 (a "Q4_K_M" of a model whose row lengths K-qu
 take, such as Gemma-3-270M: Q5_0 matrices beside Q4_K ones), runs as `w4a8-mixed`: each matrix
 at its stored width, the 4-bit ones through the 4-bit kernel and the wider ones through the
 8-bit one, so none runs at fewer bits than its file holds. Anything else (a Hugging Face
-folder, a GGUF stored at 8 bits or more, a GPU, a CPU without AVX-512 VNNI) runs unquantized in
+folder, a GGUF stored at 8 bits or more, a GPU, a CPU without AVX2) runs unquantized in
 float32, as before. An explicit dtype decides an auto quant: float32 or float16 asks for the
 unquantized model.
 
