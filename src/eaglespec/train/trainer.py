@@ -45,7 +45,10 @@ def has_bf16_matmul(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):  # a torch built without oneDNN
+            return False
     return False
 
 
