@@ -41,7 +41,8 @@ def has_bf16_matmul(device: torch.device) -> bool:
     """Whether `device` multiplies bf16 matrices with kernels made for them: a CUDA GPU that
     supports bf16, or a CPU where oneDNN has bf16 kernels (AVX-512 or AMX; its own check). On an
     AVX2 CPU torch takes a slow generic path instead: one TTT step of the SmolLM2 head under bf16
-    autocast took 32x fp32's time (2026-11-28, AMD EPYC Zen 3, 2 threads; BENCHMARKS.md)."""
+    autocast took 33x fp32's time (2026-11-28, AMD EPYC Zen 3, 2 threads; benchmarks/train_step.py,
+    BENCHMARKS.md)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":

@@ -445,6 +445,20 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t per_head = T_ * G, rows = B * Hkv * per_head;
   const int64_t grain = std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K, 1));
   const float sc = static_cast<float>(scale);
+  // Row r (of KV head g of batch row b): its query, its output, its mask row (null without a
+  // mask) and how many leading keys it attends (-1: not a prefix, a tree's mask).
+  struct RowAt {
+    const T* q;
+    T* out;
+    const bool* mask;
+    int64_t keys;
+  };
+  auto row_at = [&](int64_t r, int64_t b, int64_t g) -> RowAt {
+    const int64_t t = (r % per_head) / G, h = g * G + (r % per_head) % G;
+    const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
+    return {qp + b * qs.b + h * qs.h + t * qs.r, op + ((b * T_ + t) * H + h) * 16 * C, row_mask,
+            row_mask == nullptr ? K : prefix_keys(row_mask, mj, K)};
+  };
   if (avx2_on()) {  // the rows split among the threads as below; unmasked rows of a KV head
                     // up to kShareRows at a time share the keys' widening (rows_avx2), a tree's
                     // rows alone (row_avx2)
@@ -462,17 +476,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const T* vg = vp + b * vs.b + g * vs.h;
         int R = 0;
         for (int64_t r = s0; r < s1; ++r) {
-          const int64_t t = (r % per_head) / G, h = g * G + (r % per_head) % G;
-          const T* qr = qp + b * qs.b + h * qs.h + t * qs.r;
-          T* outr = op + ((b * T_ + t) * H + h) * 16 * C;
-          const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
-          const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
-          if (keys < 0) {  // a tree's mask: alone
-            row_avx2<T, C>(qr, kg, ks.r, vg, vs.r, row_mask, mj, K, sc, scores.data(),
-                           packed.data(), outr);
+          const RowAt row = row_at(r, b, g);
+          if (row.keys < 0) {  // a tree's mask: alone
+            row_avx2<T, C>(row.q, kg, ks.r, vg, vs.r, row.mask, mj, K, sc, scores.data(),
+                           packed.data(), row.out);
             continue;
           }
-          qrow[R] = qr, orow[R] = outr, n[R] = keys, prow[R] = scores.data() + R * (K + 16);
+          qrow[R] = row.q, orow[R] = row.out, n[R] = row.keys;
+          prow[R] = scores.data() + R * (K + 16);
           ++R;
         }
         if (R >= kShareFrom)
@@ -504,22 +515,19 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       int R = 0;
       int64_t nmax = 0;
       for (int64_t r = s0; r < s1; ++r) {
-        const int64_t t = (r % per_head) / G, h = g * G + (r % per_head) % G;
-        const T* qr = qp + b * qs.b + h * qs.h + t * qs.r;
-        T* outr = op + ((b * T_ + t) * H + h) * 16 * C;
-        const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
-        const int64_t keys = row_mask == nullptr ? K : prefix_keys(row_mask, mj, K);
-        if (keys < 0 || C > 8) {  // a tree's mask, or a head too wide to share: alone
-          const int64_t nk = keys < 0 ? K : keys;
+        const RowAt row = row_at(r, b, g);
+        if (row.keys < 0 || C > 8) {  // a tree's mask, or a head too wide to share: alone
+          const int64_t nk = row.keys < 0 ? K : row.keys;
           float* p = scores.data() + kShareRows * (K + 16);
-          float one = softmax_row<T, C>(qr, kg, ks.r, keys < 0 ? row_mask : nullptr, mj, nk, sc,
-                                        p, packed.data());
+          float one = softmax_row<T, C>(row.q, kg, ks.r, row.keys < 0 ? row.mask : nullptr, mj,
+                                        nk, sc, p, packed.data());
           const float* pc = p;
-          value_rows<T, C, 1>(&pc, &one, vg, vs.r, nk, &outr);
+          value_rows<T, C, 1>(&pc, &one, vg, vs.r, nk, &row.out);
           continue;
         }
-        qrow[R] = qr, orow[R] = outr, n[R] = keys, prow[R] = scores.data() + R * (K + 16);
-        nmax = std::max(nmax, keys);
+        qrow[R] = row.q, orow[R] = row.out, n[R] = row.keys;
+        prow[R] = scores.data() + R * (K + 16);
+        nmax = std::max(nmax, row.keys);
         ++R;
       }
       if (R > 0) {

@@ -20,10 +20,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "simd16_avx2.h"  // avx2::supported(): where the w4a8 kernels take their AVX2 path
+
 namespace {
 
 #define ROOFLINE_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
-#define ROOFLINE_AVX2 __attribute__((target("avx2")))
 
 bool vnni_supported() {
   __builtin_cpu_init();
@@ -31,12 +32,7 @@ bool vnni_supported() {
          __builtin_cpu_supports("avx512vnni");
 }
 
-bool avx2_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
-}
-
-bool cpu_supported() { return vnni_supported() || avx2_supported(); }
+bool cpu_supported() { return vnni_supported() || avx2::supported(); }
 
 ROOFLINE_TARGET int64_t stream_range(const uint8_t* p, int64_t n) {
   // four independent OR chains so the loads, not the ORs, bind
@@ -52,7 +48,7 @@ ROOFLINE_TARGET int64_t stream_range(const uint8_t* p, int64_t n) {
   return _mm512_reduce_or_epi64(v);
 }
 
-ROOFLINE_AVX2 int64_t stream_range_avx2(const uint8_t* p, int64_t n) {
+EAGLESPEC_AVX2_TARGET int64_t stream_range_avx2(const uint8_t* p, int64_t n) {
   __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
   int64_t i = 0;
   for (; i + 128 <= n; i += 128) {
@@ -94,7 +90,7 @@ ROOFLINE_TARGET int64_t vnni_thread(int64_t iters, int seed) {
   return _mm512_reduce_add_epi32(s);
 }
 
-ROOFLINE_AVX2 int64_t maddubs_thread(int64_t iters, int seed) {
+EAGLESPEC_AVX2_TARGET int64_t maddubs_thread(int64_t iters, int seed) {
   __m256i acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_epi16(static_cast<int16_t>(seed + i));
   const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(static_cast<char>(seed | 1));
@@ -124,7 +120,7 @@ int64_t vnni(int64_t iters) {
 }
 
 int64_t maddubs(int64_t iters) {
-  TORCH_CHECK(avx2_supported(), "roofline: this CPU lacks AVX2");
+  TORCH_CHECK(avx2::supported(), "roofline: this CPU lacks AVX2 (with FMA and F16C)");
   return per_thread([&](int t) { return maddubs_thread(iters, t); });
 }
 

@@ -641,9 +641,12 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) 
   });
 }
 
+// Whether either path runs here: AVX-512 VNNI, or AVX2 with FMA and F16C.
+bool w4a8_supported() { return cpu_supported() || avx2::supported(); }
+
 void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N, int bits) {
   const char* op = bits == 4 ? "w4a8" : "w8a8";
-  TORCH_CHECK(cpu_supported() || avx2::supported(), op, ": this CPU lacks AVX2 (and AVX-512)");
+  TORCH_CHECK(w4a8_supported(), op, ": this CPU lacks AVX2 (and AVX-512)");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2, op, ": x must be (M, K), got ", x.sizes());
   const int64_t K = x.size(1);
@@ -697,8 +700,6 @@ at::Tensor w4a8_linear_add(const at::Tensor& x, const at::Tensor& w, int64_t N,
                            const at::Tensor& residual) {
   return linear<4>(x, w, N, residual);
 }
-
-bool w4a8_supported() { return cpu_supported() || avx2::supported(); }
 
 // Whether the kernels take their AVX2 path from now on where AVX-512 VNNI would run (`force`);
 // returns whether they do (always where AVX-512 VNNI is missing). The bits are the same either
