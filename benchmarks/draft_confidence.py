@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from eaglespec.bench.aggregate import method_stats
+from eaglespec.bench.aggregate import summarize
 from eaglespec.bench.lineup import PLAIN, BenchMethod
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
@@ -39,7 +39,8 @@ from eaglespec.model.loader import load_model
 from eaglespec.registry import resolve_model
 from eaglespec.sampling import greedy_tokens
 
-BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
+# probability buckets [lo, hi); the last one holds p = 1.0
+BUCKETS = ((0.0, 0.2), (0.2, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 0.9), (0.9, 1.0 + 1e-9))
 
 
 class ConfidenceChains(Eagle3Proposer):
@@ -92,20 +93,15 @@ class ConfidenceChains(Eagle3Proposer):
 
 
 def calibration(rounds: list[tuple[list[float], int]], chain: int) -> list[str]:
-    lines = ["| draft | " + " | ".join(f"p {a:.1f}-{b:.1f}" for a, b in pairs()) + " |"]
-    lines.append("|---" * (len(BUCKETS)) + "|")
+    lines = ["| draft | " + " | ".join(f"p {a:.1f}-{b:.1f}" for a, b in BUCKETS) + " |"]
+    lines.append("|---" * (len(BUCKETS) + 1) + "|")
     for j in range(chain):
         cells = []
-        for lo, hi in pairs():
+        for lo, hi in BUCKETS:
             seen = [a > j for p, a in rounds if len(p) > j and a >= j and lo <= p[j] < hi]
             cells.append(f"{sum(seen) / len(seen):.2f} ({len(seen)})" if seen else "-")
         lines.append(f"| {j + 1} | " + " | ".join(cells) + " |")
     return lines
-
-
-def pairs() -> list[tuple[float, float]]:
-    edges = list(BUCKETS[:-1]) + [1.0 + 1e-9]
-    return list(zip(edges, edges[1:], strict=False))
 
 
 def main() -> None:
@@ -150,16 +146,14 @@ def main() -> None:
     rounds = list(zip(probe.probs, probe.accepted, strict=False))
     print(f"{args.model}: {len(rounds)} rounds of chains of {args.chain}, acceptance (rounds)")
     print("\n".join(calibration(rounds, args.chain)))
-    plain = [g for g in gens if g.method == PLAIN]
-    base_stats = method_stats(plain, plain, questions, drafting=False, greedy=True)
+    stats = summarize(gens, questions, [m.name for m in methods], group_by="file", greedy=True)
     look = f", {args.lookup_tokens} lookup tokens grafted" if args.lookup_tokens else ""
-    print(f"\n{len(plain)} turns, plain {base_stats.tokens_per_second:.1f} tokens/s{look}")
+    plain = stats.overall[PLAIN]
+    print(f"\n{plain.generations} turns, plain {plain.tokens_per_second:.1f} tokens/s{look}")
     print("| method | tokens a round | x plain | lossless | drafts a round |")
     print("|---|---|---|---|---|")
     for m in methods[1:]:
-        got = method_stats(
-            [g for g in gens if g.method == m.name], plain, questions, drafting=True, greedy=True
-        )
+        got = stats.overall[m.name]
         assert got.mean_accept_length is not None and got.speedup is not None
         check = got.lossless
         inner = m.proposer.head if isinstance(m.proposer, HybridProposer) else m.proposer

@@ -44,15 +44,18 @@ def average(
     for name, t in keep.items():
         if name in ("d2t", "t2d"):
             out[name] = t
-        elif name == "lm_head.weight":
+            continue
+        lm_head = name == "lm_head.weight"
+        skip = 1 if lm_head else 0  # lm_head's rows are matched by token: only its width must agree
+        if t.shape[skip:] != other[name].shape[skip:]:
+            raise InvalidRequestError(f"{name}: {tuple(t.shape)} against {other[name].shape}")
+        if lm_head:
             rows = t.float().clone()  # (Vd, C); unshared rows stay the kept head's
             ki = torch.tensor([i for i, _ in shared])
             oi = torch.tensor([j for _, j in shared])
             rows[ki] = w_keep * t.float()[ki] + (1 - w_keep) * other[name].float()[oi]
             out[name] = rows.to(b[name].dtype)
         else:
-            if t.shape != other[name].shape:
-                raise InvalidRequestError(f"{name}: {tuple(t.shape)} against {other[name].shape}")
             out[name] = (w_keep * t.float() + (1 - w_keep) * other[name].float()).to(b[name].dtype)
     return out
 

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from eaglespec.bench.aggregate import method_stats
+from eaglespec.bench.aggregate import summarize
 from eaglespec.bench.lineup import PLAIN, BenchMethod
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
@@ -62,15 +62,13 @@ def main() -> None:
     questions = read_all(args.questions, args.limit)
     settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
-    plain = [g for g in gens if g.method == PLAIN]
-    base = method_stats(plain, plain, questions, drafting=False, greedy=True)
-    print(f"{len(plain)} turns, plain {base.tokens_per_second:.1f} tokens/s")
+    stats = summarize(gens, questions, [m.name for m in methods], group_by="file", greedy=True)
+    base = stats.overall[PLAIN]
+    print(f"{base.generations} turns, plain {base.tokens_per_second:.1f} tokens/s")
     print("| method | tokens a round | x plain | lossless |")
     print("|---|---|---|---|")
     for m in methods[1:]:
-        got = method_stats(
-            [g for g in gens if g.method == m.name], plain, questions, drafting=True, greedy=True
-        )
+        got = stats.overall[m.name]
         assert got.mean_accept_length is not None and got.speedup is not None
         check = got.lossless
         print(

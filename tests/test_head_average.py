@@ -53,3 +53,6 @@ def test_refuses_what_cannot_be_averaged() -> None:
         head_average.average(B, A, 0.5, "a")  # A lacks B's token 1
     with pytest.raises(InvalidRequestError, match="tensors differ"):
         head_average.average(A, {k: v for k, v in B.items() if k != "fc.weight"}, 0.5, "b")
+    wider = {**B, "lm_head.weight": B["lm_head.weight"].repeat(1, 2)}  # another hidden size
+    with pytest.raises(InvalidRequestError, match="lm_head.weight"):
+        head_average.average(A, wider, 0.5, "b")
