@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from eaglespec.bench.aggregate import method_stats
+from eaglespec.bench.aggregate import summarize
 from eaglespec.bench.lineup import PLAIN, BenchMethod
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
@@ -58,18 +58,16 @@ def main() -> None:
     questions = read_all(args.questions, args.limit)
     settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
-    plain = [g for g in gens if g.method == PLAIN]
-    base = method_stats(plain, plain, questions, drafting=False, greedy=True)
+    stats = summarize(gens, questions, [m.name for m in methods], group_by="file", greedy=True)
+    base = stats.overall[PLAIN]
     print(
-        f"target {target.path.name}, {len(plain)} turns; "
+        f"target {target.path.name}, {base.generations} turns; "
         f"plain {base.decode_tokens_per_second:.1f} tokens/s"
     )
     print("| method | tokens a round | tokens/s | x plain | draft ms / round | lossless |")
     print("|---|---|---|---|---|---|")
     for m in methods[1:]:
-        got = method_stats(
-            [g for g in gens if g.method == m.name], plain, questions, drafting=True, greedy=True
-        )
+        got = stats.overall[m.name]
         tps = got.decode_tokens_per_second
         assert got.mean_accept_length is not None and got.round_time is not None
         check = got.lossless
@@ -78,7 +76,7 @@ def main() -> None:
             f"{tps / base.decode_tokens_per_second:.2f}x | {got.round_time.draft_ms:.2f} "
             f"| {check.compared - check.mismatches}/{check.compared} |"
         )
-    per_turn = [g.output.stats.tokens_per_second for g in plain]
+    per_turn = [g.output.stats.tokens_per_second for g in gens if g.method == PLAIN]
     print(f"plain per turn: median {statistics.median(per_turn):.1f} tokens/s")
 
 
