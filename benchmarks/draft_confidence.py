@@ -12,9 +12,9 @@ Calibration: each round's drafts d_1 .. d_K with the head's softmax probability 
 greedy pick, and how many the target accepted; draft j counts in its bucket where drafts 1 .. j-1
 were accepted, and is accepted where the target took it too. The gated chains (`--min-prob P`,
 chains of up to --chain drafts) keep draft j while the product p_1 .. p_j is at least P: a
-doubtful round drafts fewer tokens (none at all where p_1 < P), a confident one runs to K. A
-benchmark, not yet a feature: on SmolLM2 it tied the fixed chain of one, on Qwen2.5-Coder-1.5B it
-beat the fixed chain of two in one run (BENCHMARKS.md, "Does the head know when it is right?").
+doubtful round drafts fewer tokens (none at all where p_1 < P), a confident one runs to K: the
+rule the engine runs since session 40 (Eagle3Proposer's min_prob, --draft-min-prob), measured
+here first (BENCHMARKS.md, "Does the head know when it is right?").
 """
 
 from __future__ import annotations

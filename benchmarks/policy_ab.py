@@ -3,11 +3,13 @@ against adaptive policies of given longest chains and margins, methods interleav
 over the same target, head and questions (bench/runner.py).
 
     python benchmarks/policy_ab.py --questions ../shared/data/eval/*.jsonl \\
-        [--model smollm2-135m] [--arms 4:0.05 4:0 2:0] [--lookup-tokens 4] [--limit 4] \\
+        [--model smollm2-135m] [--arms 2:0 4:0:0.3] [--lookup-tokens 4] [--limit 4] \\
         [--max-tokens 128] [--threads 2]
 
-An arm MAX:MARGIN is AdaptiveDraft(MAX, measure_tokens=True, margin=MARGIN), what the commands
-run with MAX = --draft-tokens (2) and MARGIN 0 (4 and 0.05 before session 34). Per method:
+An arm MAX:MARGIN is AdaptiveDraft(MAX, measure_tokens=True, margin=MARGIN); MAX:MARGIN:P is
+the same over a head whose chains stop where their path probability falls below P
+(--draft-min-prob P). The commands run 4:0:0.3 (since session 40; 2:0 before, 4:0.05 before
+session 34). Per method:
 tokens a round, speed over plain decoding (new tokens over prefill + decode seconds, summed) and
 whether every output equals plain greedy decoding's (bench/aggregate.py's definitions). The
 model (a registry name with a shipped head: SmolLM2 by default) and its shipped head at the
@@ -25,6 +27,8 @@ from eaglespec.bench.lineup import PLAIN, BenchMethod
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
 from eaglespec.bench.runner import RunSettings, run_benchmark
+from eaglespec.draft.hybrid import HybridProposer
+from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.heads import packaged_head
 from eaglespec.methods import make_proposer
 from eaglespec.model.loader import load_model
@@ -36,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", nargs="+", required=True)
     ap.add_argument("--model", default="smollm2-135m", help="a registry name with a shipped head")
-    ap.add_argument("--arms", nargs="+", default=["4:0.05", "4:0", "2:0"], help="MAX:MARGIN")
+    ap.add_argument("--arms", nargs="+", default=["2:0", "4:0:0.3"], help="MAX:MARGIN[:MIN_PROB]")
     ap.add_argument("--lookup-tokens", type=int, default=4)
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -54,17 +58,24 @@ def main() -> None:
         BenchMethod(PLAIN, None, 0, None, "plain decoding"),
         BenchMethod("chain of 1 + lookup", spec.proposer, 1, None, "fixed"),
     ]
+    base = spec.proposer.head if isinstance(spec.proposer, HybridProposer) else spec.proposer
+    assert isinstance(base, Eagle3Proposer)
     for arm in args.arms:
-        longest, margin = arm.split(":")
+        longest, margin, *gate = arm.split(":")
+        proposer = spec.proposer
+        if gate:  # the same head, gated
+            gated = Eagle3Proposer(base.head, base.capture, float(gate[0]))
+            lookup = args.lookup_tokens
+            proposer = HybridProposer(gated, lookup) if lookup else gated
         policy = AdaptiveDraft(int(longest), measure_tokens=True, margin=float(margin))
-        name = f"adaptive {longest}:{margin}"
-        methods.append(BenchMethod(name, spec.proposer, int(longest), None, name, policy))
+        name = f"adaptive {arm}"
+        methods.append(BenchMethod(name, proposer, int(longest), None, name, policy))
     questions = read_all(args.questions, args.limit)
     settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
     stats = summarize(gens, questions, [m.name for m in methods], group_by="file", greedy=True)
-    base = stats.overall[PLAIN]
-    print(f"{base.generations} turns, plain {base.tokens_per_second:.1f} tokens/s")
+    plain = stats.overall[PLAIN]
+    print(f"{plain.generations} turns, plain {plain.tokens_per_second:.1f} tokens/s")
     print("| method | tokens a round | x plain | lossless |")
     print("|---|---|---|---|")
     for m in methods[1:]:

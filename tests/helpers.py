@@ -18,7 +18,8 @@ TINY_TREE = TreeConfig(depth=2, top_k=2, num_nodes=3)
 
 def tiny_adaptive_llm(folder: Path, compile: str = "none") -> LLM:
     """The tiny folder's model (`tiny_hf_folder`) drafting with a seeded random EAGLE-3 head:
-    chains of up to 2 and TINY_TREE, chosen by the adaptive policy."""
+    chains of up to 2 and TINY_TREE, chosen by the adaptive policy (never stopped on the head's
+    doubt: a random head doubts every chain)."""
     return LLM(
         str(folder),
         progress=False,
@@ -29,6 +30,7 @@ def tiny_adaptive_llm(folder: Path, compile: str = "none") -> LLM:
         compile=compile,
         speculation="adaptive",
         lookup_tokens=0,
+        draft_min_prob=0.0,
     )
 
 

@@ -114,3 +114,19 @@ def test_lookup_tokens_with_another_method_or_negative_is_an_error(
     assert "prompt-lookup tokens a round" in capsys.readouterr().err
     assert main([*base, "--draft", "random", "--lookup-tokens", "0", "--no-compare"]) == 0
     assert "prompt-lookup" not in capsys.readouterr().err
+
+
+def test_draft_min_prob_is_checked_and_reported(
+    tiny_hf_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--draft-min-prob outside [0, 1) is a one-line error naming the flag, in generate and in
+    bench (before anything loads); a valid one shows in the draft's load report."""
+    base = ["generate", "--model", str(tiny_hf_folder), "--max-tokens", "2", "Hi"]
+    for bad in ("1", "-0.5"):
+        assert main([*base, "--draft", "random", "--draft-min-prob", bad]) == 2
+        assert "--draft-min-prob" in capsys.readouterr().err
+    bench = ["bench", "--model", str(tiny_hf_folder), "--questions", "none.jsonl"]
+    assert main([*bench, "--draft-min-prob", "1.5"]) == 2
+    assert "--draft-min-prob" in capsys.readouterr().err
+    assert main([*base, "--draft", "random", "--draft-min-prob", "0.2", "--no-compare"]) == 0
+    assert "chains stop below path probability 0.2" in capsys.readouterr().err

@@ -27,12 +27,13 @@ def plain(tiny_hf_folder: Path) -> list[list[int]]:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"draft": "random"},
+        {"draft": "random", "draft_min_prob": 0.0},
         {"draft": "random", "tree": TreeConfig(depth=3, top_k=3, num_nodes=8)},
+        {"draft": "random"},  # chains stopped at the default min prob
         {"method": "lookup"},
         {"method": "draft-model", "draft": "SELF"},
     ],
-    ids=["eagle3-chain", "eagle3-tree", "lookup", "draft-model"],
+    ids=["eagle3-chain", "eagle3-tree", "eagle3-gated", "lookup", "draft-model"],
 )
 def test_methods_equal_plain_greedy(tiny_hf_folder: Path, plain, kwargs) -> None:
     """Each method through the LLM API equals plain greedy. The tiny model's random head has
@@ -62,6 +63,8 @@ def test_bad_combinations_are_named(tiny_hf_folder: Path) -> None:
         LLM(str(tiny_hf_folder), progress=False, method="draft-model")
     with pytest.raises(InvalidRequestError, match="method"):
         LLM(str(tiny_hf_folder), progress=False, method="medusa")
+    with pytest.raises(InvalidRequestError, match="min prob .* needs method eagle3"):
+        LLM(str(tiny_hf_folder), progress=False, method="lookup", draft_min_prob=0.3)
 
 
 def test_cli_json_has_speculative_stats(tiny_hf_folder: Path, capsys) -> None:

@@ -10,7 +10,14 @@ import pytest
 
 from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
-from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft, ScriptedDraft, make_policy
+from eaglespec.policy import (
+    PLAIN_MARGIN,
+    AdaptiveDraft,
+    DraftChoice,
+    FixedDraft,
+    ScriptedDraft,
+    make_policy,
+)
 
 
 def _simulate(
@@ -142,6 +149,32 @@ def test_measured_tokens_credit_what_a_graft_lands() -> None:
     assert isinstance(taught, AdaptiveDraft) and taught.measure_tokens
     taught.record(chain, 1, 0.01, 2.5)  # a calibration's measurement
     assert taught.expected_tokens(chain) == 2.5
+
+
+def test_gated_chains_are_measured_not_modelled(tiny_hf_folder) -> None:  # type: ignore[no-untyped-def]
+    """A head that stops its chains where it doubts them drafts fewer tokens than a chain arm
+    asks, so the chain model (1 + sum P(accept >= j) over the arm's k) would overrate long arms:
+    the commands' policy for a gated head measures each arm's tokens; the margin over plain steps
+    stays (its zero-draft rounds are plain ones). Without a gate or grafts, the model is used."""
+    from eaglespec import LLM
+
+    for min_prob, lookup, measured, margin in (
+        (0.0, 0, False, PLAIN_MARGIN),
+        (0.3, 0, True, PLAIN_MARGIN),
+        (0.3, 2, True, 0.0),
+    ):
+        llm = LLM(
+            str(tiny_hf_folder),
+            progress=False,
+            draft="random",
+            num_draft=3,
+            lookup_tokens=lookup,
+            draft_min_prob=min_prob,
+        )
+        policy = llm.policy
+        assert isinstance(policy, AdaptiveDraft)
+        assert (policy.measure_tokens, policy.margin) == (measured, margin)
+        assert "chains stop below path probability" in llm.draft_report or not min_prob
 
 
 def test_no_margin_over_zero_draft_rounds_that_draft_lookups() -> None:

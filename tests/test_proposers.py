@@ -20,7 +20,7 @@ from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.lookup import NgramIndex, PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
-from eaglespec.errors import ModelLoadError
+from eaglespec.errors import InvalidRequestError, ModelLoadError
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import RequestOutput, collect_outputs
@@ -138,6 +138,84 @@ def test_lookup_accepts_a_repeating_pattern(k: int) -> None:
     spec = _assert_lossless(bigram, PromptLookupProposer(), k, prompts, _params([25, 30, 31]))
     for out in spec:
         assert out.stats.accepted_tokens == out.stats.draft_tokens == k * out.stats.rounds
+
+
+# --- EAGLE-3 chains stopped where the head doubts them (min_prob) -------------------------------
+
+
+def _started(proposer: Eagle3Proposer, target: Transformer, seed: int):  # type: ignore[no-untyped-def]
+    """A head state after a 2-row prompt, from seeded stand-in target states."""
+    g = torch.Generator().manual_seed(seed)
+    Ct = target.cfg.hidden_size
+    aux = [torch.randn(2, 5, Ct, generator=g) for _ in range(3)]
+    prompts = torch.tensor([[5, 6, 7, 8, 9], [9, 10, 11, 0, 0]])
+    return proposer.start(prompts, torch.tensor([3, 4]), aux, [5, 3], 32)
+
+
+def test_min_prob_keeps_the_chain_prefix_some_row_is_sure_of(
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gated chain is the ungated chain cut after the last draft j at which some row's
+    product of pick probabilities p_1 .. p_j is still >= min_prob: the probabilities are read
+    here from the logits the ungated chain picks from, for bounds around every row's path."""
+    import eaglespec.draft.proposer as proposer_module
+
+    head = random_eagle3(target, seed=3)
+    picked: list[torch.Tensor] = []
+    greedy = proposer_module.greedy_tokens
+
+    def recording(logits: torch.Tensor) -> torch.Tensor:
+        picked.append(logits.float().softmax(-1).amax(-1))  # (B,)
+        return greedy(logits)
+
+    monkeypatch.setattr(proposer_module, "greedy_tokens", recording)
+    full = Eagle3Proposer(head, (1, 3, 4)).propose(
+        _started(Eagle3Proposer(head, (1, 3, 4)), target, 0), 5
+    )
+    monkeypatch.undo()
+    paths = torch.stack(picked, 1).cumprod(1)  # (B, 5) product of the picks' probabilities
+    best = paths.amax(0)  # (5,) the surest row's, non-increasing
+    bounds = [float(best[0]) * 1.01, *(float(b) * 0.99 for b in best), 1e-12]
+    for bound in bounds:
+        if not 0 < bound < 1:
+            continue
+        proposer = Eagle3Proposer(head, (1, 3, 4), min_prob=bound)
+        state = _started(proposer, target, 0)
+        lengths = list(state.cache.lengths)
+        got = proposer.propose(state, 5)
+        want = int((best >= bound).sum())
+        assert got.shape == (2, want), (bound, best.tolist())
+        assert torch.equal(got, full[:, :want])
+        assert state.cache.lengths == lengths  # scratch entries forgotten
+    assert picked and float(best[0]) < 1.0  # the bounds above span no-drafts .. the full chain
+
+
+def test_min_prob_is_checked() -> None:
+    head = random_eagle3(tiny_target(0, vocab=V, layers=4), seed=0)
+    for bad in (-0.1, 1.0, 2.0):
+        with pytest.raises(InvalidRequestError, match="draft min prob"):
+            Eagle3Proposer(head, (1, 2, 3), min_prob=bad)
+
+
+@pytest.mark.parametrize(("lookup", "tree"), [(0, None), (3, None), (3, TreeConfig(3, 2, 5))])
+def test_gated_chains_are_lossless_and_vary_in_length(
+    target: Transformer, lookup: int, tree: TreeConfig | None
+) -> None:
+    """Rounds draft 0 .. k tokens as the head's confidence goes; the output is plain greedy
+    decoding's all the same (a tree is not gated: it ranks by the same probabilities)."""
+    head = random_eagle3(target, seed=3)
+    probe = Eagle3Proposer(head, (1, 3, 4))
+    first = probe.propose(_started(probe, target, 0), 1)
+    assert first.shape == (2, 1)
+    gated = Eagle3Proposer(head, (1, 3, 4), min_prob=0.02)
+    proposer = HybridProposer(gated, lookup, min_ngram=1) if lookup else gated
+    k = 4
+    spec = _assert_lossless(target, proposer, 0 if tree else k, tree=tree)
+    if tree is None:
+        drafted = sum(o.stats.draft_tokens for o in spec)
+        rounds = sum(o.stats.rounds for o in spec)
+        if lookup == 0:
+            assert 0 < drafted < k * rounds, (drafted, rounds)
 
 
 # --- EAGLE-3 with prompt lookup grafted in -------------------------------------------------------

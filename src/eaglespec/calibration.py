@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eaglespec.config import SamplingParams
-from eaglespec.draft.base import GraftingProposer
+from eaglespec.methods import speculation_policy
 from eaglespec.paths import cache_dir
-from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft, make_policy
+from eaglespec.policy import AdaptiveDraft, DraftChoice, FixedDraft
 from eaglespec.registry import sha256_file
 from eaglespec.requests import collect_outputs
 
@@ -55,6 +55,7 @@ class CalibrationKey:
     num_draft: int
     tree: str | None
     lookup_tokens: int  # prompt-lookup tokens grafted into each round (0: none)
+    draft_min_prob: float  # where chains stop on the head's doubt (0: fixed length)
     device: str
     dtype: str
     quant: str
@@ -127,6 +128,7 @@ def calibration_key(llm: LLM) -> CalibrationKey:
         num_draft=llm.num_draft,
         tree=None if tree is None else f"{tree.depth},{tree.top_k},{tree.num_nodes}",
         lookup_tokens=llm.lookup_tokens,
+        draft_min_prob=llm.draft_min_prob,
         device=str(llm.model.device),
         dtype=str(llm.model.dtype).removeprefix("torch."),
         quant=llm.quant,
@@ -215,9 +217,8 @@ def calibrate(
     """Decode `prompts` (greedy, batch 1, one warm-up first) once per arm; returns the policy
     holding the measurements and one row per arm."""
     assert llm.proposer is not None, "calibration needs a draft"
-    grafts = isinstance(llm.proposer, GraftingProposer)
     # The policy the commands run for this draft (make_policy decides its arms and settings)
-    policy = make_policy("adaptive", llm.num_draft, llm.tree, True, grafts=grafts)
+    policy = speculation_policy("adaptive", llm.num_draft, llm.tree, llm.proposer)
     assert isinstance(policy, AdaptiveDraft)
     params = SamplingParams(max_tokens=max_tokens)
     rows = []

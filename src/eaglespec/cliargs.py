@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING
 
 from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
-from eaglespec.methods import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_TOKENS, METHODS
+from eaglespec.methods import (
+    DEFAULT_DRAFT_MIN_PROB,
+    DEFAULT_DRAFT_TOKENS,
+    DEFAULT_LOOKUP_TOKENS,
+    METHODS,
+)
 from eaglespec.model.llama import COMPILE_MODES
 from eaglespec.model.precision import AUTO
 from eaglespec.model.quant import QUANT_MODES
@@ -97,6 +102,15 @@ def add_speculation_args(p: argparse.ArgumentParser, *, default_method: str = "n
         help="draft tokens per round (chain); under adaptive speculation the most it drafts",
     )
     spec.add_argument(
+        "--draft-min-prob",
+        type=float,
+        metavar="P",
+        help="eagle3: stop a round's chain where the product of the head's own probabilities "
+        "of its drafts falls below P (none drafted if the first is below: a plain step), so "
+        "verification goes where the head is sure; 0: every chain runs to its length. "
+        f"Default: {DEFAULT_DRAFT_MIN_PROB} with eagle3",
+    )
+    spec.add_argument(
         "--tree",
         metavar="DEPTH,TOPK,NODES",
         help="draft an EAGLE-2 dynamic tree instead of a chain, e.g. 4,4,16 (eagle3 only)",
@@ -148,6 +162,7 @@ def load_llm(args: argparse.Namespace, *, progress: bool) -> LLM:
         capture=int_list(args.capture, "--capture") if args.capture else None,
         speculation=args.speculation,
         lookup_tokens=args.lookup_tokens,
+        draft_min_prob=args.draft_min_prob,
     )
 
 

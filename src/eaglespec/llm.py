@@ -8,13 +8,21 @@ from typing import cast
 import torch
 
 from eaglespec.config import ModelConfig, SamplingParams, TreeConfig
-from eaglespec.draft.base import GraftingProposer, Proposer
+from eaglespec.draft.base import Proposer
+from eaglespec.draft.proposer import check_min_prob
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
-from eaglespec.methods import compile_proposer, make_proposer, resolve_method
+from eaglespec.methods import (
+    DEFAULT_DRAFT_TOKENS,
+    compile_proposer,
+    make_proposer,
+    resolve_method,
+    resolve_min_prob,
+    speculation_policy,
+)
 from eaglespec.model.llama import Transformer, check_compile_mode
 from eaglespec.model.loader import LoadedModel, load_model
-from eaglespec.policy import DraftChoice, DraftPolicy, ScriptedDraft, make_policy
+from eaglespec.policy import DraftChoice, DraftPolicy, ScriptedDraft
 from eaglespec.registry import DEFAULT_MODEL, resolve_model
 from eaglespec.requests import RequestOutput, StreamEvent, collect_outputs
 from eaglespec.tokenizer import Tokenizer
@@ -52,11 +60,12 @@ class LLM:
         progress: bool = True,
         method: str | None = None,
         draft: str | None = None,
-        num_draft: int = 4,
+        num_draft: int = DEFAULT_DRAFT_TOKENS,
         tree: TreeConfig | None = None,
         capture: Sequence[int] | None = None,
         speculation: str = "adaptive",
         lookup_tokens: int | None = None,
+        draft_min_prob: float | None = None,
     ) -> None:
         """The defaults are the commands' (`eaglespec generate`): the model at its file's own
         precision (`dtype` and `quant` "auto": a 4-bit GGUF as w4a8 in bf16 on a CPU with the
@@ -75,8 +84,11 @@ class LLM:
         with this LLM and keeps learning across calls), "off" decodes plainly. `lookup_tokens`
         (eagle3; default DEFAULT_LOOKUP_TOKENS, 0 for none): each round also verifies up to
         that many prompt-lookup tokens where the context repeats its last tokens
-        (draft/hybrid.py)."""
+        (draft/hybrid.py). `draft_min_prob` (eagle3; default DEFAULT_DRAFT_MIN_PROB, 0 for
+        none) stops a chain where the product of the head's probabilities of its drafts falls
+        below it (draft/proposer.py)."""
         method, draft, lookup_tokens = resolve_method(model, method, draft, lookup_tokens)
+        draft_min_prob = check_min_prob(resolve_min_prob(method, draft_min_prob))  # before loads
         self.loaded: LoadedModel = load_model(
             resolve_model(model, progress=progress), dtype=dtype, device=device, quant=quant
         )
@@ -86,6 +98,7 @@ class LLM:
         self.num_draft = num_draft
         self.tree = tree
         self.lookup_tokens = lookup_tokens
+        self.draft_min_prob = draft_min_prob
         check_compile_mode(compile)  # before the draft loads, not after
         spec = make_proposer(
             self.method,
@@ -95,18 +108,13 @@ class LLM:
             quant=self.quant,
             progress=progress,
             lookup_tokens=lookup_tokens,
+            min_prob=draft_min_prob,
         )
         self.loaded.model.compile_steps(compile)
         compile_proposer(spec.proposer, compile)
         self.proposer: Proposer | None = spec.proposer
         self.speculation = speculation
-        self.policy: DraftPolicy = make_policy(
-            speculation,
-            num_draft,
-            tree,
-            has_draft=self.proposer is not None,
-            grafts=isinstance(self.proposer, GraftingProposer),
-        )
+        self.policy: DraftPolicy = speculation_policy(speculation, num_draft, tree, self.proposer)
         self.draft_report = spec.report  # one line on the draft, "" for plain decoding
 
     @property

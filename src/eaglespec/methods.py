@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from eaglespec.draft.base import Proposer
+from eaglespec.config import TreeConfig
+from eaglespec.draft.base import GraftingProposer, Proposer
 from eaglespec.draft.config import default_capture
 from eaglespec.draft.draft_model import DraftModelProposer
 from eaglespec.draft.hybrid import HybridProposer
@@ -16,6 +17,7 @@ from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
 from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.model.quant import quantize_model
+from eaglespec.policy import DraftPolicy, make_policy
 from eaglespec.registry import resolve_model
 
 METHODS = ("eagle3", "draft-model", "lookup", "none")
@@ -43,11 +45,21 @@ def resolve_method(
     return method, draft, lookup_tokens
 
 
-# Draft tokens a chain may have at most (the adaptive policy's longest arm), --draft-tokens.
-# 2, not 4: with lookup grafted in, chains of 3-4 rarely pay on 2 cores and the policy's probes
-# of them cost rounds; 0-2 measured level with or faster than 0-4 on SmolLM2 and Qwen2.5-Coder
-# (benchmarks/policy_ab.py, BENCHMARKS.md).
-DEFAULT_DRAFT_TOKENS = 2
+# Draft tokens a chain may have at most (the adaptive policy's longest arm), --draft-tokens, and
+# where the head stops a chain on its own doubt (--draft-min-prob: the product of its picks'
+# probabilities; 0 drafts every chain to its length). Chains of 0-4 stopped at 0.3 measured 1.04-
+# 1.07x the ungated 0-2 on Qwen2.5-Coder-1.5B in two runs and level on SmolLM2; ungated, chains
+# of 3-4 rarely paid on 2 cores (benchmarks/policy_ab.py, BENCHMARKS.md).
+DEFAULT_DRAFT_TOKENS = 4
+DEFAULT_DRAFT_MIN_PROB = 0.3
+
+
+def resolve_min_prob(method: str, min_prob: float | None) -> float:
+    """What the user gave, else DEFAULT_DRAFT_MIN_PROB with eagle3 (0 for the other methods,
+    which have no head to doubt its chains)."""
+    if min_prob is not None:
+        return min_prob
+    return DEFAULT_DRAFT_MIN_PROB if method == "eagle3" else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,17 +77,24 @@ def make_proposer(
     quant: str = "none",
     progress: bool = True,
     lookup_tokens: int = 0,
+    min_prob: float = 0.0,
 ) -> Speculation:
     """`draft` is an EAGLE-3 folder (or "random") for eagle3, a model name or path for
     draft-model, unused for lookup. `quant` applies to the draft's own linear layers (an EAGLE-3
     head's shared embedding and lm_head are the target's, quantized with it). `lookup_tokens` > 0
-    grafts that many prompt-lookup tokens into each eagle3 round's drafts (draft/hybrid.py)."""
+    grafts that many prompt-lookup tokens into each eagle3 round's drafts (draft/hybrid.py).
+    `min_prob` > 0 stops an eagle3 chain where the head's probability of it falls below
+    (Eagle3Proposer)."""
     if method not in METHODS:
         raise InvalidRequestError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
     if lookup_tokens < 0 or (lookup_tokens and method != "eagle3"):
         raise InvalidRequestError(
             f"lookup tokens ({lookup_tokens}) are grafted into an EAGLE-3 head's drafts: they "
             "need method eagle3 and a count >= 0 (method lookup drafts by prompt lookup alone)"
+        )
+    if min_prob and method != "eagle3":
+        raise InvalidRequestError(
+            f"a draft min prob ({min_prob}) stops an EAGLE-3 head's chains: it needs method eagle3"
         )
     if method == "none":
         return Speculation(None, "")
@@ -96,8 +115,8 @@ def make_proposer(
         layers = tuple(capture) if capture else default_capture(model.cfg.num_layers)
         head = quantize_model(random_eagle3(model, seed=0, capture=layers), quant)
         return with_lookup(
-            Eagle3Proposer(head, layers),
-            f"random EAGLE-3 head (seed 0), capture {layers}",
+            Eagle3Proposer(head, layers, min_prob),
+            f"random EAGLE-3 head (seed 0), capture {layers}{_gate_note(min_prob)}",
             lookup_tokens,
         )
     loaded = load_eagle3(draft, model, capture=capture)
@@ -107,8 +126,31 @@ def make_proposer(
     line = (
         f"EAGLE-3 head {r.folder.name} ({r.format}, {r.own_bytes / 1e6:.1f} MB own"
         f"{shared if r.shared else ''}), capture {r.capture} ({r.capture_origin})"
+        f"{_gate_note(min_prob)}"
     )
-    return with_lookup(Eagle3Proposer(loaded.head, loaded.capture), line, lookup_tokens)
+    head = Eagle3Proposer(loaded.head, loaded.capture, min_prob)
+    return with_lookup(head, line, lookup_tokens)
+
+
+def _gate_note(min_prob: float) -> str:
+    return f"; chains stop below path probability {min_prob}" if min_prob else ""
+
+
+def speculation_policy(
+    mode: str, num_draft: int, tree: TreeConfig | None, proposer: Proposer | None
+) -> DraftPolicy:
+    """The draft policy the commands run for `proposer` (None: plain decoding): make_policy
+    told whether the proposer grafts candidates into every round and whether its head stops
+    chains where it doubts them."""
+    head = proposer.head if isinstance(proposer, HybridProposer) else proposer
+    return make_policy(
+        mode,
+        num_draft,
+        tree,
+        has_draft=proposer is not None,
+        grafts=isinstance(proposer, GraftingProposer),
+        gated=isinstance(head, Eagle3Proposer) and head.min_prob > 0,
+    )
 
 
 def with_lookup(head: Eagle3Proposer, report: str, lookup_tokens: int) -> Speculation:

@@ -259,11 +259,13 @@ def make_policy(
     has_draft: bool,
     *,
     grafts: bool = False,
+    gated: bool = False,
 ) -> DraftPolicy:
     """`mode` "adaptive", "on" (the configured shape every round) or "off"; without a draft only
     "off" runs. `grafts`: the proposer adds candidates to every round (measure each arm's
     tokens, AdaptiveDraft's `measure_tokens`, and no margin over the zero-draft arm, which then
-    drafts too)."""
+    drafts too). `gated`: the proposer drafts fewer tokens than a chain arm asks where it doubts
+    them (Eagle3Proposer's min_prob), so an arm's tokens are measured too, not modelled."""
     if mode not in SPECULATION_MODES:
         raise InvalidRequestError(
             f"unknown speculation mode '{mode}' (choose from {', '.join(SPECULATION_MODES)})"
@@ -273,7 +275,8 @@ def make_policy(
     if mode == "on":
         return FixedDraft(DraftChoice(num_draft, tree))
     margin = 0.0 if grafts else PLAIN_MARGIN
-    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=grafts, margin=margin)
+    measure = grafts or gated
+    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=measure, margin=margin)
 
 
 def _bucket(batch: int) -> int:

@@ -27,9 +27,10 @@ from eaglespec.bench.report import render_report, summary_table
 from eaglespec.bench.results import results_dict, write_results
 from eaglespec.bench.runner import Generation, QuestionDone, RunSettings, run_benchmark
 from eaglespec.cliargs import add_model_args, tree_config
+from eaglespec.draft.proposer import check_min_prob
 from eaglespec.errors import InvalidRequestError
 from eaglespec.heads import packaged_head
-from eaglespec.methods import DEFAULT_LOOKUP_TOKENS
+from eaglespec.methods import DEFAULT_DRAFT_MIN_PROB, DEFAULT_LOOKUP_TOKENS
 from eaglespec.model.llama import check_compile_mode
 from eaglespec.model.loader import check_quant, dtype_name, load_model
 from eaglespec.registry import resolve_model
@@ -79,6 +80,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         f"{DEFAULT_LOOKUP_TOKENS}; 0 for none)",
     )
     p.add_argument(
+        "--draft-min-prob",
+        type=float,
+        metavar="P",
+        help="stop the EAGLE-3 head's chains where the product of its probabilities of their "
+        "drafts falls below P. Default: none for eagle3-chain(+lookup), fixed chains of "
+        f"--num-draft; {DEFAULT_DRAFT_MIN_PROB} for eagle3-adaptive and --calibrate, as the "
+        "commands run",
+    )
+    p.add_argument(
         "--calibrate",
         action="store_true",
         help="instead of benchmarking: measure each draft length (and --tree) on the questions' "
@@ -112,6 +122,7 @@ def _calibrate(args: argparse.Namespace, questions: list[Question]) -> int:
         tree=tree_config(args.tree, "--tree") if args.tree else None,
         speculation="adaptive",
         lookup_tokens=args.lookup_tokens,
+        draft_min_prob=args.draft_min_prob,
     )
     prompts = [llm.encode(q.turns[0]) for q in questions]
     if not args.quiet:
@@ -134,7 +145,7 @@ def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces `args`, every option spelled out."""
     parts = ["eaglespec", "bench", "--questions", *args.questions, "--model", args.model]
     parts += ["--methods", *args.methods] if args.methods else []
-    for flag in ("draft", "draft_model", "limit", "threads", "tree"):
+    for flag in ("draft", "draft_model", "limit", "threads", "tree", "draft_min_prob"):
         value = getattr(args, flag)
         parts += [f"--{flag.replace('_', '-')}", str(value)] if value is not None else []
     settings = (
@@ -163,6 +174,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tree = tree_config(args.tree or DEFAULT_TREE, "--tree")
     if args.num_draft < 1:
         raise InvalidRequestError(f"--num-draft must be >= 1, got {args.num_draft}")
+    if args.draft_min_prob is not None:
+        check_min_prob(args.draft_min_prob)
     if args.lookup_tokens < 0:
         raise InvalidRequestError(f"--lookup-tokens must be >= 0, got {args.lookup_tokens}")
     if args.lookup_tokens == 0 and any(m.endswith("+lookup") for m in args.methods or ()):
@@ -203,6 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         compile=args.compile,
         progress=not args.quiet,
         lookup_tokens=args.lookup_tokens,
+        min_prob=args.draft_min_prob,
     )
     meter = memory_meter(target.model.device)
     log = _progress(questions) if not args.quiet else None
@@ -242,6 +256,7 @@ def _write(
         "temperature": args.temperature,
         "seed": args.seed,
         "num_draft": args.num_draft,
+        "draft_min_prob": args.draft_min_prob,
         "tree": args.tree or DEFAULT_TREE,
         "memory_scope": memory_scope,
     }

@@ -38,10 +38,12 @@ from eaglespec.methods import (
     Speculation,
     compile_proposer,
     make_proposer,
+    resolve_min_prob,
+    speculation_policy,
     with_lookup,
 )
 from eaglespec.model.loader import LoadedModel
-from eaglespec.policy import DraftPolicy, make_policy
+from eaglespec.policy import DraftPolicy
 from eaglespec.requests import RequestOutput, collect_outputs
 
 PLAIN = "plain"
@@ -161,16 +163,22 @@ def build_methods(
     compile: str,
     progress: bool,
     lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
+    min_prob: float | None = None,
 ) -> list[Method]:
-    """Load each draft once (the EAGLE-3 head serves chain and tree). `quant` applies to the
-    drafts as to the target; `compile` to a draft model's steps and an EAGLE-3 head's layers
-    (the caller compiles the target's). llama.cpp loads its own copy of the target's file on
-    its first generation."""
+    """Load each draft once (the EAGLE-3 head serves chain, tree and adaptive). `quant` applies
+    to the drafts as to the target; `compile` to a draft model's steps and an EAGLE-3 head's
+    layers (the caller compiles the target's). `min_prob` stops the head's chains where it
+    doubts them (Eagle3Proposer; trees are not gated): None leaves the eagle3-chain methods
+    fixed chains and gives eagle3-adaptive the commands' default. llama.cpp loads its own copy
+    of the target's file on its first generation."""
     specs: dict[str, Speculation] = {}
 
     def speculation(method: str, draft: str | None) -> Speculation:
         if method not in specs:
-            specs[method] = make_proposer(method, draft, target, quant=quant, progress=progress)
+            gate = (min_prob or 0.0) if method == "eagle3" else 0.0
+            specs[method] = make_proposer(
+                method, draft, target, quant=quant, progress=progress, min_prob=gate
+            )
             compile_proposer(specs[method].proposer, compile)
         return specs[method]
 
@@ -195,11 +203,16 @@ def build_methods(
             shape = f"tree depth {tree.depth}, top-k {tree.top_k}, {tree.num_nodes} nodes"
             out.append(BenchMethod(name, spec.proposer, num_draft, tree, f"{spec.report}; {shape}"))
             continue
-        if name == "eagle3-adaptive":
-            spec = hybrid()
+        if name == "eagle3-adaptive":  # what the commands run: its own gate over the same head
+            head = speculation("eagle3", drafts.eagle3)
+            assert isinstance(head.proposer, Eagle3Proposer)
+            gate = resolve_min_prob("eagle3", min_prob)
+            gated = Eagle3Proposer(head.proposer.head, head.proposer.capture, gate)
+            spec = with_lookup(gated, head.report, lookup_tokens)
             k = DEFAULT_DRAFT_TOKENS
-            policy = make_policy("adaptive", k, None, True, grafts=True)
-            line = f"{spec.report}; adaptive speculation over chains of 0 .. {k}"
+            policy = speculation_policy("adaptive", k, None, spec.proposer)
+            stop = f", stopped below path probability {gate}" if gate else ""
+            line = f"{spec.report}; adaptive speculation over chains of 0 .. {k}{stop}"
             out.append(BenchMethod(name, spec.proposer, k, None, line, policy))
             continue
         if name == "eagle3-chain":

@@ -3,7 +3,8 @@ lookup). The engine owns the target and the verification; a proposer owns its ow
 
 Round protocol, per batch (B rows, ragged):
     state = start(prompt_ids, roots, aux, counts, capacity)   after the target's prefill
-    drafts = propose(state, k)                                (B, k) target-vocabulary tokens
+    drafts = propose(state, k)                                (B, k') target-vocabulary tokens,
+                                                              k' <= k (a head may stop early)
     state = catch_up(state, tokens, aux, counts)              after verification
     state = select_rows(state, rows)                          when finished rows leave
     state = concat([state, ...])                              when new rows join (serving)

@@ -19,6 +19,7 @@ computed from target features; the proposal steps run on its own outputs and are
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import torch
 from eaglespec.cache import KVCache
 from eaglespec.config import TreeConfig
 from eaglespec.draft.eagle3 import DraftOutput, Eagle3Head
+from eaglespec.errors import InvalidRequestError
 from eaglespec.sampling import greedy_tokens
 from eaglespec.tree import DraftTree, build_tree
 
@@ -63,13 +65,32 @@ class DraftState:
         )
 
 
+def check_min_prob(min_prob: float) -> float:
+    """`min_prob` if a chain can stop at it (a probability in [0, 1)), else an error naming the
+    flag that sets it."""
+    if not 0.0 <= min_prob < 1.0:
+        raise InvalidRequestError(
+            f"the draft min prob (--draft-min-prob) must be in [0, 1), got {min_prob}"
+        )
+    return min_prob
+
+
 class Eagle3Proposer:
     """Greedy EAGLE-3 chains of up to k tokens. Drafting never samples: the draft picks are
-    deterministic, so the verifier treats each draft token as a point mass (q one-hot)."""
+    deterministic, so the verifier treats each draft token as a point mass (q one-hot).
 
-    def __init__(self, head: Eagle3Head, capture: Sequence[int]) -> None:
+    `min_prob` > 0 stops a chain where the head doubts it: draft j is kept while, for some row,
+    the product of the head's own probabilities of picks 1 .. j is at least `min_prob`; a round
+    whose first pick falls below it drafts nothing (a plain step). The head's probabilities are
+    calibrated (BENCHMARKS.md, "Does the head know when it is right?"), so the verification
+    slots go where acceptance is likely. Which tokens are drafted never changes, only how many,
+    so the output stays the target's."""
+
+    def __init__(self, head: Eagle3Head, capture: Sequence[int], min_prob: float = 0.0) -> None:
+        check_min_prob(min_prob)
         self.head = head
         self.capture = tuple(capture)
+        self.min_prob = min_prob
 
     def start(
         self,
@@ -143,23 +164,32 @@ class Eagle3Proposer:
         return DraftState(cache, out.logits[:, 0], out.prenorm[rows, last[:, 0]])
 
     def propose(self, state: DraftState, k: int) -> torch.Tensor:
-        """(B, k) target-vocabulary draft tokens. Scratch entries are written past the committed
-        length and forgotten afterwards (the cache is truncated back). Pending catch-ups are
-        fed first."""
+        """(B, k') target-vocabulary draft tokens, k' <= k (k' < k only under `min_prob`).
+        Scratch entries are written past the committed length and forgotten afterwards (the
+        cache is truncated back). Pending catch-ups are fed first."""
         self.flush(state)
         committed = list(state.cache.lengths)
-        dev = state.logits.device
-        token = self.head.to_target(greedy_tokens(state.logits))  # (B,)
-        hidden = state.prenorm
-        drafts = [token]
-        for _ in range(k - 1):
-            positions = torch.tensor(state.cache.lengths, device=dev)[:, None]  # (B, 1)
-            out: DraftOutput = self.head(token[:, None], hidden[:, None], positions, state.cache)
-            state.cache.advance([1] * len(committed))
-            token = self.head.to_target(greedy_tokens(out.logits[:, -1]))
-            hidden = out.prenorm[:, -1]
-            drafts.append(token)
+        B, dev = len(committed), state.logits.device
+        logits, hidden = state.logits, state.prenorm  # (B, Vd), (B, C)
+        bound = math.log(self.min_prob) if self.min_prob > 0 else None
+        path = torch.zeros(B, device=dev)  # (B,) log-probability of each row's chain so far
+        drafts: list[torch.Tensor] = []
+        while len(drafts) < k:
+            if drafts:  # one head step on the last draft
+                positions = torch.tensor(state.cache.lengths, device=dev)[:, None]  # (B, 1)
+                out: DraftOutput = self.head(
+                    drafts[-1][:, None], hidden[:, None], positions, state.cache
+                )
+                state.cache.advance([1] * B)
+                logits, hidden = out.logits[:, -1], out.prenorm[:, -1]
+            if bound is not None:
+                path = path + logits.float().log_softmax(-1).amax(-1)
+                if not bool((path >= bound).any()):  # sync: the host decides the chain's length
+                    break
+            drafts.append(self.head.to_target(greedy_tokens(logits)))  # (B,)
         state.cache.truncate(committed)
+        if not drafts:
+            return torch.empty(B, 0, dtype=torch.long, device=dev)
         return torch.stack(drafts, dim=1)
 
     def propose_tree(self, state: DraftState, roots: torch.Tensor, shape: TreeConfig) -> DraftTree:

@@ -29,11 +29,12 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglespec.config import SamplingParams, TreeConfig
-from eaglespec.draft.base import GraftingProposer, NoDraft
+from eaglespec.draft.base import NoDraft
 from eaglespec.engine import BatchRunner, check_speculation, draft_width
 from eaglespec.errors import ChatTemplateError, InvalidRequestError
 from eaglespec.llm import LLM
-from eaglespec.policy import SPECULATION_MODES, DraftPolicy, make_policy
+from eaglespec.methods import speculation_policy
+from eaglespec.policy import SPECULATION_MODES, DraftPolicy
 from eaglespec.requests import Provenance, RequestOutput, StreamEvent, check_prompt
 from eaglespec.serve.metrics import ServerMetrics
 from eaglespec.serve.protocol import (
@@ -121,9 +122,7 @@ def create_app(
 
     def policy_for(name: str) -> DraftPolicy:
         if name not in policies:
-            grafts = isinstance(llm.proposer, GraftingProposer)
-            has_draft = llm.proposer is not None
-            policies[name] = make_policy(name, llm.num_draft, tree, has_draft, grafts=grafts)
+            policies[name] = speculation_policy(name, llm.num_draft, tree, llm.proposer)
         return policies[name]
 
     policy = policy_for(mode)
