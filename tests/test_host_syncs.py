@@ -48,3 +48,39 @@ def test_one_sync_per_round(target, monkeypatch, sampled: bool, tree: TreeConfig
     monkeypatch.undo()
     rounds = max(o.stats.rounds for o in outs)
     assert count["n"] == rounds + 1, f"{count['n']} host syncs for {rounds} rounds"
+
+
+def test_a_gated_chain_syncs_once_per_draft_step(target, monkeypatch) -> None:
+    """Under min_prob the host decides each chain's length: one sync per draft step inside
+    `propose` (at most k a round), and still one per round everywhere else."""
+    proposer = Eagle3Proposer(random_eagle3(target, seed=0), (1, 2, 3), min_prob=0.02)
+    k = 3
+    count = {"n": 0, "propose": 0, "calls": 0, "most": 0}
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, __original=original, **kw):
+            count["n"] += 1
+            return __original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    propose = Eagle3Proposer.propose
+
+    def counted_propose(self, state, k):  # type: ignore[no-untyped-def]
+        before = count["n"]
+        drafts = propose(self, state, k)
+        count["propose"] += count["n"] - before
+        count["calls"] += 1
+        count["most"] = max(count["most"], count["n"] - before)
+        return drafts
+
+    monkeypatch.setattr(Eagle3Proposer, "propose", counted_propose)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in (1, 2)]
+    events = generate_speculative(
+        target, proposer, NullTokenizer(), [[1, 2, 3, 4], [5, 6]], params, num_draft=k
+    )
+    outs = collect_outputs(events)
+    monkeypatch.undo()
+    rounds = max(o.stats.rounds for o in outs)
+    assert count["calls"] == rounds and 1 <= count["most"] <= k
+    assert count["n"] - count["propose"] == rounds + 1
