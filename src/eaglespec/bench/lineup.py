@@ -211,7 +211,8 @@ def build_methods(
             spec = with_lookup(gated, head.report, lookup_tokens)
             k = DEFAULT_DRAFT_TOKENS
             policy = speculation_policy("adaptive", k, None, spec.proposer)
-            stop = f", stopped below path probability {gate}" if gate else ""
+            # (a --draft-min-prob given is in the head's report already)
+            stop = f", stopped below path probability {gate}" if gate and min_prob is None else ""
             line = f"{spec.report}; adaptive speculation over chains of 0 .. {k}{stop}"
             out.append(BenchMethod(name, spec.proposer, k, None, line, policy))
             continue
