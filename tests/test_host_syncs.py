@@ -24,6 +24,18 @@ def target() -> Transformer:
     )
 
 
+def _count_syncs(monkeypatch: pytest.MonkeyPatch, count: dict[str, int]) -> None:
+    """Every Python-level read of a tensor value adds one to count["n"] (until undone)."""
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, __original=original, **k):  # type: ignore[no-untyped-def]
+            count["n"] += 1
+            return __original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("tree", [None, TreeConfig(depth=3, top_k=3, num_nodes=8)])
 def test_one_sync_per_round(target, monkeypatch, sampled: bool, tree: TreeConfig | None) -> None:
@@ -33,14 +45,7 @@ def test_one_sync_per_round(target, monkeypatch, sampled: bool, tree: TreeConfig
         SamplingParams(max_tokens=9, temperature=temp, seed=s, ignore_eos=True) for s in (1, 2)
     ]
     count = {"n": 0}
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *a, __original=original, **k):
-            count["n"] += 1
-            return __original(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
+    _count_syncs(monkeypatch, count)
     events = generate_speculative(
         target, proposer, NullTokenizer(), [[1, 2, 3, 4], [5, 6]], params, num_draft=3, tree=tree
     )
@@ -56,14 +61,7 @@ def test_a_gated_chain_syncs_once_per_draft_step(target, monkeypatch) -> None:
     proposer = Eagle3Proposer(random_eagle3(target, seed=0), (1, 2, 3), min_prob=0.02)
     k = 3
     count = {"n": 0, "propose": 0, "calls": 0, "most": 0}
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *a, __original=original, **kw):
-            count["n"] += 1
-            return __original(self, *a, **kw)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
+    _count_syncs(monkeypatch, count)
     propose = Eagle3Proposer.propose
 
     def counted_propose(self, state, k):  # type: ignore[no-untyped-def]
