@@ -27,16 +27,15 @@ from collections.abc import Sequence
 import torch
 
 from eaglespec.bench.aggregate import summarize
-from eaglespec.bench.lineup import PLAIN, BenchMethod
+from eaglespec.bench.lineup import PLAIN, BenchMethod, shipped_head
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
+from eaglespec.bench.report import ab_table
 from eaglespec.bench.runner import RunSettings, run_benchmark
+from eaglespec.draft.base import Proposer
 from eaglespec.draft.hybrid import HybridProposer
 from eaglespec.draft.proposer import DraftState, Eagle3Proposer
-from eaglespec.heads import packaged_head
-from eaglespec.methods import make_proposer
-from eaglespec.model.loader import load_model
-from eaglespec.registry import resolve_model
+from eaglespec.methods import with_lookup
 from eaglespec.sampling import greedy_tokens
 
 # probability buckets [lo, hi); the last one holds p = 1.0
@@ -117,12 +116,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_model(resolve_model(args.model), dtype=torch.bfloat16, quant="w4a8")
-    head = packaged_head(args.model)
-    if head is None:
-        raise SystemExit(f"no head ships for {args.model}")
-    base = make_proposer("eagle3", str(head), target, quant="w4a8", progress=False).proposer
-    assert isinstance(base, Eagle3Proposer)
+    target, base = shipped_head(args.model)
     questions = read_all(args.questions, args.limit)
     settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     meter = memory_meter(target.model.device)
@@ -133,15 +127,15 @@ def main() -> None:
         BenchMethod(f"chain of {args.chain}", probe, args.chain, None, "recorded"),
     ]
 
-    def with_lookup(p: Eagle3Proposer) -> Eagle3Proposer | HybridProposer:
-        return HybridProposer(p, args.lookup_tokens) if args.lookup_tokens else p
+    def lookup(p: Eagle3Proposer) -> Proposer:
+        return with_lookup(p, "", args.lookup_tokens).proposer
 
     gated = {tau: ConfidenceChains(base, tau) for tau in args.min_prob}
     for k in args.fixed:
-        methods.append(BenchMethod(f"fixed chain of {k}", with_lookup(base), k, None, "fixed"))
+        methods.append(BenchMethod(f"fixed chain of {k}", lookup(base), k, None, "fixed"))
     for tau, prop in gated.items():
         name = f"up to {args.chain}, path p >= {tau}"
-        methods.append(BenchMethod(name, with_lookup(prop), args.chain, None, "gated"))
+        methods.append(BenchMethod(name, lookup(prop), args.chain, None, "gated"))
     gens = run_benchmark(target, methods, questions, settings, meter)
     rounds = list(zip(probe.probs, probe.accepted, strict=False))
     print(f"{args.model}: {len(rounds)} rounds of chains of {args.chain}, acceptance (rounds)")
@@ -150,21 +144,18 @@ def main() -> None:
     look = f", {args.lookup_tokens} lookup tokens grafted" if args.lookup_tokens else ""
     plain = stats.overall[PLAIN]
     print(f"\n{plain.generations} turns, plain {plain.tokens_per_second:.1f} tokens/s{look}")
-    print("| method | tokens a round | x plain | lossless | drafts a round |")
-    print("|---|---|---|---|---|")
-    for m in methods[1:]:
-        got = stats.overall[m.name]
-        assert got.mean_accept_length is not None and got.speedup is not None
-        check = got.lossless
-        inner = m.proposer.head if isinstance(m.proposer, HybridProposer) else m.proposer
-        lengths = (
-            Counter(len(p) for p in inner.probs) if isinstance(inner, ConfidenceChains) else {}
-        )
-        spread = " ".join(f"{n}:{c}" for n, c in sorted(lengths.items())) if lengths else "-"
-        print(
-            f"| {m.name} | {got.mean_accept_length:.3f} | {got.speedup:.3f}x "
-            f"| {check.compared - check.mismatches}/{check.compared} | {spread} |"
-        )
+    proposers = {m.name: m.proposer for m in methods}
+
+    def spread(name: str) -> str:
+        """Rounds per number of drafts, for the recorded and the gated chains."""
+        prop = proposers[name]
+        inner = prop.head if isinstance(prop, HybridProposer) else prop
+        if not isinstance(inner, ConfidenceChains):
+            return "-"
+        lengths = Counter(len(p) for p in inner.probs)
+        return " ".join(f"{n}:{c}" for n, c in sorted(lengths.items()))
+
+    print(ab_table(stats.overall, ("drafts a round", spread)))
 
 
 if __name__ == "__main__":

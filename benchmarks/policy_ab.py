@@ -23,17 +23,14 @@ import argparse
 import torch
 
 from eaglespec.bench.aggregate import summarize
-from eaglespec.bench.lineup import PLAIN, BenchMethod
+from eaglespec.bench.lineup import PLAIN, BenchMethod, shipped_head
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
+from eaglespec.bench.report import ab_table
 from eaglespec.bench.runner import RunSettings, run_benchmark
-from eaglespec.draft.hybrid import HybridProposer
 from eaglespec.draft.proposer import Eagle3Proposer
-from eaglespec.heads import packaged_head
-from eaglespec.methods import make_proposer
-from eaglespec.model.loader import load_model
+from eaglespec.methods import with_lookup
 from eaglespec.policy import AdaptiveDraft
-from eaglespec.registry import resolve_model
 
 
 def main() -> None:
@@ -47,26 +44,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_model(resolve_model(args.model), dtype=torch.bfloat16, quant="w4a8")
-    head = packaged_head(args.model)
-    if head is None:
-        raise SystemExit(f"no head ships for {args.model}")
-    spec = make_proposer(
-        "eagle3", str(head), target, quant="w4a8", progress=False, lookup_tokens=args.lookup_tokens
-    )
+    target, base = shipped_head(args.model)
+    fixed = with_lookup(base, "", args.lookup_tokens).proposer
     methods = [
         BenchMethod(PLAIN, None, 0, None, "plain decoding"),
-        BenchMethod("chain of 1 + lookup", spec.proposer, 1, None, "fixed"),
+        BenchMethod("chain of 1 + lookup", fixed, 1, None, "fixed"),
     ]
-    base = spec.proposer.head if isinstance(spec.proposer, HybridProposer) else spec.proposer
-    assert isinstance(base, Eagle3Proposer)
     for arm in args.arms:
         longest, margin, *gate = arm.split(":")
-        proposer = spec.proposer
+        proposer = fixed
         if gate:  # the same head, gated
             gated = Eagle3Proposer(base.head, base.capture, float(gate[0]))
-            lookup = args.lookup_tokens
-            proposer = HybridProposer(gated, lookup) if lookup else gated
+            proposer = with_lookup(gated, "", args.lookup_tokens).proposer
         policy = AdaptiveDraft(int(longest), measure_tokens=True, margin=float(margin))
         name = f"adaptive {arm}"
         methods.append(BenchMethod(name, proposer, int(longest), None, name, policy))
@@ -76,16 +65,7 @@ def main() -> None:
     stats = summarize(gens, questions, [m.name for m in methods], group_by="file", greedy=True)
     plain = stats.overall[PLAIN]
     print(f"{plain.generations} turns, plain {plain.tokens_per_second:.1f} tokens/s")
-    print("| method | tokens a round | x plain | lossless |")
-    print("|---|---|---|---|")
-    for m in methods[1:]:
-        got = stats.overall[m.name]
-        assert got.mean_accept_length is not None and got.speedup is not None
-        check = got.lossless
-        print(
-            f"| {m.name} | {got.mean_accept_length:.3f} | {got.speedup:.3f}x "
-            f"| {check.compared - check.mismatches}/{check.compared} |"
-        )
+    print(ab_table(stats.overall))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from eaglespec.bench.command import command_line
 from eaglespec.bench.lineup import BenchMethod, DraftSources, check_methods, default_methods
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import Question, read_all
-from eaglespec.bench.report import fmt_lossless, summary_table
+from eaglespec.bench.report import ab_table, fmt_lossless, summary_table
 from eaglespec.bench.runner import Generation, RunSettings, run_conversation
 from eaglespec.cli import build_parser, main
 from eaglespec.cliargs import tree_config
@@ -167,6 +167,20 @@ def test_an_injected_mismatch_shows_in_the_summary() -> None:
     assert summary.overall["lookup"].lossless.lossless is False
     assert summary.groups["math"]["lookup"].lossless.lossless is False
     assert "**no**: 1 of 1 differ" in summary_table(summary.overall)
+
+
+def test_ab_table_rows() -> None:
+    """The benchmarks/ scripts' A/B table: plain left out, tokens a round, speed over plain and
+    turns equal to plain's, and an extra column by method name."""
+    gens = [_gen("plain", 0, 0, [1, 2], prefill_seconds=0.5, decode_seconds=0.5)]
+    kw = {"prefill_seconds": 0.25, "decode_seconds": 0.25, "rounds": 1, "accepted_tokens": 1}
+    gens.append(_gen("lookup", 0, 0, [1, 3], **kw))  # 2 tokens in 1 round: 1 draft taken
+    summary = summarize(gens, QUESTIONS[:1], ["plain", "lookup"], group_by="category", greedy=True)
+    lines = ab_table(summary.overall).splitlines()
+    assert lines[0] == "| method | tokens a round | x plain | lossless |"
+    assert lines[2:] == ["| lookup | 2.000 | 2.000x | 0/1 |"]
+    extra = ab_table(summary.overall, ("note", lambda name: name.upper())).splitlines()
+    assert extra[0].endswith("| lossless | note |") and extra[2].endswith("| 0/1 | LOOKUP |")
 
 
 def test_statistics_from_hand_made_generations() -> None:

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from eaglespec.bench.llamacpp import LLAMA_CPP, LlamaCppMethod, check_llama_cpp
 from eaglespec.config import SamplingParams, TreeConfig
 from eaglespec.draft.base import Proposer
@@ -32,6 +34,7 @@ from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
+from eaglespec.heads import packaged_head
 from eaglespec.methods import (
     DEFAULT_DRAFT_TOKENS,
     DEFAULT_LOOKUP_TOKENS,
@@ -42,8 +45,9 @@ from eaglespec.methods import (
     speculation_policy,
     with_lookup,
 )
-from eaglespec.model.loader import LoadedModel
+from eaglespec.model.loader import LoadedModel, load_model
 from eaglespec.policy import DraftPolicy
+from eaglespec.registry import resolve_model
 from eaglespec.requests import RequestOutput, collect_outputs
 
 PLAIN = "plain"
@@ -150,6 +154,18 @@ def check_methods(
         if name not in out:
             out.append(name)
     return out
+
+
+def shipped_head(model: str) -> tuple[LoadedModel, Eagle3Proposer]:
+    """A registry model at the commands' CPU precision (bf16 w4a8) and the EAGLE-3 head shipped
+    for it, alone (no lookup, no gate): what the benchmarks/ A/B scripts build their methods on."""
+    target = load_model(resolve_model(model), dtype=torch.bfloat16, quant="w4a8")
+    head = packaged_head(model)
+    if head is None:
+        raise InvalidRequestError(f"no EAGLE-3 head ships for {model}")
+    proposer = make_proposer("eagle3", str(head), target, quant="w4a8", progress=False).proposer
+    assert isinstance(proposer, Eagle3Proposer)
+    return target, proposer
 
 
 def build_methods(

@@ -99,6 +99,30 @@ def summary_table(overall: dict[str, MethodStats]) -> str:
     return "\n".join(rows)
 
 
+def ab_table(
+    overall: dict[str, MethodStats], extra: tuple[str, Callable[[str], str]] | None = None
+) -> str:
+    """The in-process A/B table the benchmarks/ scripts print: per method but plain, tokens a
+    round to three places, speed over plain, and how many turns equal plain greedy's (greedy
+    runs); `extra`, a (header, cell from the method's name) column after them."""
+    head, cell = extra if extra is not None else ("", None)
+    rows = [
+        "| method | tokens a round | x plain | lossless |" + (f" {head} |" if cell else ""),
+        "|---|---|---|---|" + ("---|" if cell else ""),
+    ]
+    for name, s in overall.items():
+        if name == PLAIN:
+            continue
+        assert s.mean_accept_length is not None and s.speedup is not None
+        check = s.lossless
+        rows.append(
+            f"| {name} | {s.mean_accept_length:.3f} | {s.speedup:.3f}x "
+            f"| {check.compared - check.mismatches}/{check.compared} |"
+            + (f" {cell(name)} |" if cell else "")
+        )
+    return "\n".join(rows)
+
+
 def group_table(
     summary: BenchSummary, methods: Sequence[str], cell: Callable[[MethodStats], str]
 ) -> str:
