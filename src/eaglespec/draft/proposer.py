@@ -171,8 +171,8 @@ class Eagle3Proposer:
         committed = list(state.cache.lengths)
         B, dev = len(committed), state.logits.device
         logits, hidden = state.logits, state.prenorm  # (B, Vd), (B, C)
-        bound = math.log(self.min_prob) if self.min_prob > 0 else None
-        path = torch.zeros(B, device=dev)  # (B,) log-probability of each row's chain so far
+        # (B,) log-probability of each row's chain so far, where chains stop on doubt
+        path = torch.zeros(B, device=dev) if self.min_prob > 0 else None
         drafts: list[torch.Tensor] = []
         while len(drafts) < k:
             if drafts:  # one head step on the last draft
@@ -182,9 +182,10 @@ class Eagle3Proposer:
                 )
                 state.cache.advance([1] * B)
                 logits, hidden = out.logits[:, -1], out.prenorm[:, -1]
-            if bound is not None:
+            if path is not None:
                 path = path + logits.float().log_softmax(-1).amax(-1)
-                if not bool((path >= bound).any()):  # sync: the host decides the chain's length
+                sure = path >= math.log(self.min_prob)
+                if not bool(sure.any()):  # sync: the host decides the chain's length
                     break
             drafts.append(self.head.to_target(greedy_tokens(logits)))  # (B,)
         state.cache.truncate(committed)
