@@ -110,6 +110,28 @@ def test_generate_json_at_its_defaults(home: Path, default_plain: LLM) -> None:
     )
 
 
+@pytest.mark.command("generate")
+def test_generate_never_imports_the_compiler(home: Path) -> None:
+    """A command that does not compile never imports torch's compiler front end (dynamo, 1.5 s
+    of every start on the 2-core machine): `generate` at its defaults, in a process of its own,
+    loads the model and the head, drafts and answers without it."""
+    code = (
+        "import sys\n"
+        "from eaglespec.cli import main\n"
+        "try:\n"
+        "    main(['generate', '--max-tokens', '8', '--no-compare', 'Name a colour.'])\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print('dynamo imported:', 'torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=command_env(home), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("dynamo imported: False"), done.stdout
+
+
 @pytest.mark.command("bench")
 def test_bench_at_its_defaults(home: Path, tmp_path: Path) -> None:
     """`eaglespec bench` on one two-turn question: every default method (plain, the head's chain

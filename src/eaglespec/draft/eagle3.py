@@ -44,6 +44,7 @@ from eaglespec.model.layers import (
     GatedMLP,
     RMSNorm,
     cached_attention,
+    embedding,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -190,7 +191,7 @@ class Eagle3Head(nn.Module):
         # The lm_head holds the target's output rows of the draft vocabulary, frozen: not saved
         # with the head, gathered from the target at load (draft/loader.py).
         self.lm_head_is_target_rows = False
-        self.embed = embed if embed is not None else nn.Embedding(cfg.vocab_size, C)
+        self.embed = embed if embed is not None else embedding(cfg.vocab_size, C)
         if tuple(self.embed.weight.shape) != (cfg.vocab_size, C):
             raise ValueError(f"embedding {tuple(self.embed.weight.shape)} != {(cfg.vocab_size, C)}")
         use_fc = cfg.use_aux_hidden_state

@@ -44,7 +44,7 @@ import functools
 
 import torch
 
-from eaglespec.model.extension import build
+from eaglespec.model.extension import build, constant_to_dynamo
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (csrc/attention.cpp)
 
@@ -67,7 +67,7 @@ def _load() -> str | None:
 
 
 # Traced forwards ask too: a constant to dynamo, not a function to trace into.
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+@constant_to_dynamo
 def available() -> str | None:
     """None when the kernel runs on this machine, else the reason it does not."""
     return _load()

@@ -41,7 +41,7 @@ import functools
 
 import torch
 
-from eaglespec.model.extension import build
+from eaglespec.model.extension import build, constant_to_dynamo
 
 
 @functools.cache
@@ -58,7 +58,8 @@ def _load() -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+# Traced forwards ask too: a constant to dynamo, not a function to trace into.
+@constant_to_dynamo
 def available() -> str | None:
     """None when the kernels run on this machine, else the reason they do not."""
     return _load()

@@ -9,13 +9,32 @@ raised: callers fall back to PyTorch's own ops or refuse with the reason.
 from __future__ import annotations
 
 import hashlib
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 CSRC = Path(__file__).parent / "csrc"
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` compiles into the
 # library; without the flag it runs on one thread. The OpenMP runtime it links is the one torch
 # has already loaded (same soname), so there is one thread pool.
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+# torch builds under a lock file that a process removes when its build ends; one killed while it
+# built (Ctrl-C through a first run's build) leaves it behind, and every later process would wait
+# for it for good. A build takes 1-2 minutes on 2 cores: a lock this old is stale.
+STALE_LOCK_SECONDS = 900.0
+
+
+def constant_to_dynamo(fn: F) -> F:
+    """`torch.compiler.assume_constant_result`: traced forwards take `fn`'s result as a constant
+    instead of tracing into it. Without its import of dynamo (1.5 s of every start of a process
+    that never compiles): the mark it sets, set here; tests/test_extension.py checks that torch's
+    decorator still sets that same mark."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def compile_and_load(source: Path, module: str) -> None:
@@ -26,14 +45,43 @@ def compile_and_load(source: Path, module: str) -> None:
 
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     digest = hashlib.sha256(source.read_bytes() + headers + repr(CFLAGS).encode()).hexdigest()[:12]
+    name = f"{module}_{digest}"
+    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    wait_for_lock(folder / "lock", STALE_LOCK_SECONDS)
+    if not (folder / f"{name}.so").exists():
+        print(f"[building {source.name} for this CPU, once: a minute or two]", file=sys.stderr)
     cpp_extension.load(
-        name=f"{module}_{digest}",
+        name=name,
         sources=[str(source)],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
+
+
+def wait_for_lock(lock: Path, stale_after: float, poll: float = 1.0) -> None:
+    """Return once `lock` is gone, or remove it once it is `stale_after` seconds old (its build
+    was killed), saying so on stderr: while another process builds the kernel this one waits for
+    it, and a stale lock must not hang every later start without a word."""
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= stale_after:
+            lock.unlink(missing_ok=True)
+            print(f"[removed {lock}: a kernel build left it {age:.0f} s ago]", file=sys.stderr)
+            return
+        if not said:
+            print(
+                f"[waiting for another process to finish building a kernel ({lock}); if none "
+                f"is running, delete that file]",
+                file=sys.stderr,
+            )
+            said = True
+        time.sleep(poll)
 
 
 def build(name: str, needs: str) -> str | None:

@@ -21,6 +21,15 @@ from eaglespec.config import RopeScaling
 from eaglespec.model import cpu_attention, cpu_rowops
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim), drawn as torch draws it, except under the meta device (a model
+    built to be loaded into, model/loader.py): nothing to draw there, and torch's normal draw on
+    meta imports dynamo, 1.5 s of every start of a process that never compiles."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -45,10 +54,19 @@ def rope_inv_freq(
 ) -> torch.Tensor:
     """Inverse frequencies (D/2,) in fp32, with linear or llama3 scaling, or llama.cpp's
     per-frequency divisors (`rope_freqs.weight` in GGUF files, which is how llama3 scaling is
-    stored there)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    stored there), on the default device. A handful of numbers, computed on the CPU: under the
+    meta device (a model built to be loaded into) torch's pow would import dynamo, 1.5 s."""
+    inv = _inv_freq(head_dim, theta, scaling, freq_factors)
+    return inv.to(torch.get_default_device())
+
+
+def _inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None, freq_factors: torch.Tensor | None
+) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv = 1.0 / (theta**exponents)
     if freq_factors is not None:
-        return inv / freq_factors.float()
+        return inv / freq_factors.float().cpu()
     if scaling is None:
         return inv
     if scaling.kind == "linear":

@@ -31,6 +31,7 @@ from eaglespec.model.layers import (
     GatedMLP,
     RMSNorm,
     cached_attention,
+    embedding,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -155,7 +156,7 @@ class Transformer(nn.Module):
         llama3 scaling as per-frequency factors); pass it when building on the meta device."""
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = embedding(cfg.vocab_size, cfg.hidden_size)
         block = SandwichBlock if cfg.sandwich_norms else Block
         self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
