@@ -4,12 +4,14 @@ over the same target, head and questions (bench/runner.py).
 
     python benchmarks/policy_ab.py --questions ../shared/data/eval/*.jsonl \\
         [--model smollm2-135m] [--arms 2:0 4:0:0.3] [--lookup-tokens 4] [--limit 4] \\
-        [--max-tokens 128] [--threads 2]
+        [--max-tokens 128] [--threads 2] [--policy-rev REV]
 
 An arm MAX:MARGIN is AdaptiveDraft(MAX, measure_tokens=True, margin=MARGIN); MAX:MARGIN:P is
 the same over a head whose chains stop where their path probability falls below P
 (--draft-min-prob P). The commands run 4:0:0.3 (since session 40; 2:0 before, 4:0.05 before
-session 34). Per method:
+session 34). An arm written REV:MAX:MARGIN[:P] runs the AdaptiveDraft of git revision
+--policy-rev instead of today's (src/eaglespec/policy.py as it was there), so a change to the
+policy is measured against the policy before it, over the same rounds' machine. Per method:
 tokens a round, speed over plain decoding (new tokens over prefill + decode seconds, summed) and
 whether every output equals plain greedy decoding's (bench/aggregate.py's definitions). The
 model (a registry name with a shipped head: SmolLM2 by default) and its shipped head at the
@@ -19,6 +21,12 @@ default precision (bf16 w4a8).
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +41,23 @@ from eaglespec.methods import with_lookup
 from eaglespec.policy import AdaptiveDraft
 
 
+def policy_at(rev: str) -> Any:
+    """AdaptiveDraft as git revision `rev` had it."""
+    text = subprocess.run(
+        ["git", "show", f"{rev}:src/eaglespec/policy.py"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parent,
+    ).stdout  # fmt: skip
+    path = Path(tempfile.mkdtemp()) / "policy_at_rev.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("policy_at_rev", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+
+    return module.AdaptiveDraft
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", nargs="+", required=True)
@@ -42,6 +67,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--policy-rev", default=None, help="git revision of REV:... arms' policy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, base = shipped_head(args.model)
@@ -51,13 +77,17 @@ def main() -> None:
         BenchMethod("chain of 1 + lookup", fixed, 1, None, "fixed"),
     ]
     for arm in args.arms:
-        longest, margin, *gate = arm.split(":")
+        then = arm.startswith("REV:")
+        if then and args.policy_rev is None:
+            ap.error(f"arm {arm} needs --policy-rev")
+        longest, margin, *gate = arm.removeprefix("REV:").split(":")
         proposer = fixed
         if gate:  # the same head, gated
             gated = Eagle3Proposer(base.head, base.capture, float(gate[0]))
             proposer = with_lookup(gated, "", args.lookup_tokens).proposer
-        policy = AdaptiveDraft(int(longest), measure_tokens=True, margin=float(margin))
-        name = f"adaptive {arm}"
+        policy_type = policy_at(args.policy_rev) if then else AdaptiveDraft
+        policy = policy_type(int(longest), measure_tokens=True, margin=float(margin))
+        name = f"adaptive {arm.replace('REV', args.policy_rev or '')}"
         methods.append(BenchMethod(name, proposer, int(longest), None, name, policy))
     questions = read_all(args.questions, args.limit)
     settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
