@@ -21,6 +21,18 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q -e ".${extras}"
 
+# eaglespec's CPU kernels compile for this CPU on first use (about 85 s on 2 cores): build them
+# now, once, so that the first command answers at once. Where one cannot build or run here,
+# eaglespec runs without it; the line says why.
+python - <<'PY'
+from eaglespec.model import cpu_attention, cpu_layer, cpu_rowops, w4a8
+
+for name, module in (("w4a8", w4a8), ("attention", cpu_attention), ("rowops", cpu_rowops),
+                     ("layer", cpu_layer)):
+    reason = module.available()
+    print(f"setup: the {name} kernel: {'built for this CPU' if reason is None else reason}")
+PY
+
 if [ -n "$extras" ] && ! command -v chromedriver >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing Chromium for the chat page's browser test (apt-get)"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglespec.model.extension import wait_for_lock
+from eaglespec.model.extension import build_name, wait_for_lock
 
 
 def test_no_lock_no_wait(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,3 +64,17 @@ def test_the_constant_mark_is_torchs_own() -> None:
     torch.compiler.assume_constant_result(theirs)
     marks = dict(vars(theirs))
     assert marks and vars(constant_to_dynamo(ours)) == marks
+
+
+def test_each_checkout_builds_under_its_own_name(tmp_path: Path) -> None:
+    """The same source in two folders (two clones) gets two build names, so neither rebuilds
+    the other's; a changed source or header gets a new one; the same file keeps its name."""
+    a, b = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_text("int k;")
+    assert build_name(a, "m") == build_name(a, "m") != build_name(b, "m")
+    assert build_name(a, "m").startswith("m_")
+    before = build_name(a, "m")
+    (a.parent / "k.h").write_text("#define X 1")
+    assert build_name(a, "m") != before

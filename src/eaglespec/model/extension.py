@@ -37,19 +37,28 @@ def constant_to_dynamo(fn: F) -> F:
     return fn
 
 
+def build_name(source: Path, module: str) -> str:
+    """`module` and a digest of the source, the headers beside it, the flags and the source's
+    path: torch rebuilds a module whose build file names other sources, so two checkouts sharing
+    one build folder (a clone and its CI copy) would otherwise rebuild it in turn."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = source.read_bytes() + headers + repr(CFLAGS).encode() + str(source.resolve()).encode()
+    return f"{module}_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
 def compile_and_load(source: Path, module: str) -> None:
     """Compile a C++ source with CFLAGS and load it (its ops register themselves), cached under
-    `module` and the digest of the source, the headers beside it and the flags; raises if it
-    does not build."""
+    its `build_name`; raises if it does not build."""
     from torch.utils import cpp_extension
 
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + repr(CFLAGS).encode()).hexdigest()[:12]
-    name = f"{module}_{digest}"
+    name = build_name(source, module)
     folder = Path(cpp_extension._get_build_directory(name, verbose=False))
     wait_for_lock(folder / "lock", STALE_LOCK_SECONDS)
     if not (folder / f"{name}.so").exists():
-        print(f"[building {source.name} for this CPU, once: a minute or two]", file=sys.stderr)
+        print(
+            f"[building the {source.stem} kernel for this CPU, once: seconds to a minute]",
+            file=sys.stderr,
+        )
     cpp_extension.load(
         name=name,
         sources=[str(source)],
