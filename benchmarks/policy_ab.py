@@ -21,10 +21,9 @@ default precision (bf16 w4a8).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
-import tempfile
+import types
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +46,9 @@ def policy_at(rev: str) -> Any:
         ["git", "show", f"{rev}:src/eaglespec/policy.py"],
         capture_output=True, text=True, check=True, cwd=Path(__file__).parent,
     ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / "policy_at_rev.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("policy_at_rev", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-
+    module = types.ModuleType("policy_at_rev")
+    sys.modules[module.__name__] = module  # dataclasses resolve annotations through it
+    exec(compile(text, f"{rev}:src/eaglespec/policy.py", "exec"), module.__dict__)
     return module.AdaptiveDraft
 
 
@@ -69,6 +63,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--policy-rev", default=None, help="git revision of REV:... arms' policy")
     args = ap.parse_args()
+    if args.policy_rev is None and any(a.startswith("REV:") for a in args.arms):
+        ap.error("arms written REV:... need --policy-rev")
     torch.set_num_threads(args.threads)
     target, base = shipped_head(args.model)
     fixed = with_lookup(base, "", args.lookup_tokens).proposer
@@ -76,16 +72,15 @@ def main() -> None:
         BenchMethod(PLAIN, None, 0, None, "plain decoding"),
         BenchMethod("chain of 1 + lookup", fixed, 1, None, "fixed"),
     ]
+    then_type = None if args.policy_rev is None else policy_at(args.policy_rev)
     for arm in args.arms:
         then = arm.startswith("REV:")
-        if then and args.policy_rev is None:
-            ap.error(f"arm {arm} needs --policy-rev")
         longest, margin, *gate = arm.removeprefix("REV:").split(":")
         proposer = fixed
         if gate:  # the same head, gated
             gated = Eagle3Proposer(base.head, base.capture, float(gate[0]))
             proposer = with_lookup(gated, "", args.lookup_tokens).proposer
-        policy_type = policy_at(args.policy_rev) if then else AdaptiveDraft
+        policy_type = then_type if then else AdaptiveDraft
         policy = policy_type(int(longest), measure_tokens=True, margin=float(margin))
         name = f"adaptive {arm.replace('REV', args.policy_rev or '')}"
         methods.append(BenchMethod(name, proposer, int(longest), None, name, policy))
