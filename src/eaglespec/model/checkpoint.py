@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import SafetensorError, safe_open
 
 from eaglespec.errors import ModelLoadError, UnsupportedArchitectureError
 from eaglespec.gguf_file import GGUFFile
+from eaglespec.model.dequant import BlockFields, block_fields
 
 _GGUF_FAMILIES = {
     "llama": "LlamaForCausalLM",
@@ -101,10 +103,26 @@ class GGUFCheckpoint:
 
     def load(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         t = self.file.load(self.hf_to_gguf[name], torch.float32)
+        return self._hf_rows(name, t).to(dtype)
+
+    def qtype(self, name: str) -> GGMLQuantizationType:
+        """How the file stores tensor `name` (HF name)."""
+        return self.file.tensors[self.hf_to_gguf[name]].qtype
+
+    def fields(self, name: str) -> BlockFields | None:
+        """Tensor `name`'s blocks as codes and scales (dequant.block_fields), rows in HF order as
+        `load` gives them; None where its type is not one the w4a8 kernels take as stored."""
+        gguf_name = self.hf_to_gguf[name]
+        info = self.file.tensors[gguf_name]
+        f = block_fields(self.file.raw(gguf_name), info.qtype, info.shape)
+        return None if f is None else f.map_rows(lambda t: self._hf_rows(name, t))
+
+    def _hf_rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Rows of tensor `name` (or of a field of it) as the HF checkpoint orders them."""
         if self.config["model_type"] == "llama" and re.search(r"\.(q|k)_proj\.", name):
             heads_key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
             t = unpermute_qk(t, self.config[heads_key])
-        return t.to(dtype)
+        return t
 
 
 def _hf_name(gguf_name: str, names: dict[str, str]) -> str | None:

@@ -12,13 +12,16 @@ The work is done in chunks of about a million output values, so peak memory stay
 the output however big the tensor is; there is no Python loop over blocks.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
+from dataclasses import dataclass
 from math import prod
 
 import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
-__all__ = ["SUPPORTED_QTYPES", "dequantize"]
+__all__ = ["FIELD_BITS", "SUPPORTED_QTYPES", "BlockFields", "block_fields", "dequantize"]
 
 # Output values per chunk: 4 MiB of float32 keeps the uint8/float intermediates cache-friendly.
 _CHUNK_VALUES = 1 << 20
@@ -226,3 +229,71 @@ def dequantize(
     for start in range(0, n_blocks, chunk):
         out[start : start + chunk] = fn(blocks[start : start + chunk])
     return out.view(shape)
+
+
+@dataclass(frozen=True)
+class BlockFields:
+    """A 2-D tensor's blocks of 32 as they store it, where that is already the w4a8 kernels' form
+    (model/w4a8.py): w = codes * scale + offset per block, the kernels' own formula, so a layer
+    made from the fields multiplies by exactly the file's weights without dequantizing them.
+    Dims: N rows, K columns, K/32 blocks a row."""
+
+    bits: int  # 4: codes 0..15 with an offset; 8: signed codes, no offset
+    codes: torch.Tensor  # (N, K) uint8 (4 bits) or int8 (8 bits)
+    scales: torch.Tensor  # (N, K/32) fp16
+    offsets: torch.Tensor | None  # (N, K/32) fp16 (4 bits), None (8 bits)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockFields:
+        """The same fields with `fn` applied to each along its rows (a row permutation)."""
+        offsets = None if self.offsets is None else fn(self.offsets)
+        return BlockFields(self.bits, fn(self.codes), fn(self.scales), offsets)
+
+    @staticmethod
+    def stack_rows(parts: list[BlockFields]) -> BlockFields:
+        """Fields of the same bits and columns, their rows concatenated in order (a fused
+        parameter's sources)."""
+        if len(parts) == 1:
+            return parts[0]
+        assert len({(p.bits, p.offsets is None) for p in parts}) == 1, "mixed block kinds"
+        offsets = [p.offsets for p in parts if p.offsets is not None]
+        return BlockFields(
+            parts[0].bits,
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat(offsets) if offsets else None,
+        )
+
+
+# The block types whose fields are the w4a8 kernels' form, and the kernel width that takes them:
+# Q4_1 (x = d q + m: scale d, offset m), Q4_0 (x = d (q - 8): scale d, offset -8 d, exact in
+# fp16) and Q8_0 (x = d q).
+FIELD_BITS: dict[GGMLQuantizationType, int] = {
+    GGMLQuantizationType.Q4_0: 4,
+    GGMLQuantizationType.Q4_1: 4,
+    GGMLQuantizationType.Q8_0: 8,
+}
+
+
+def block_fields(
+    raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]
+) -> BlockFields | None:
+    """The fields of a 2-D tensor of `shape` (N, K) stored as `qtype` (FIELD_BITS's types), else
+    None. raw: uint8, the tensor's bytes, as `dequantize` takes them."""
+    if qtype not in FIELD_BITS or len(shape) != 2:
+        return None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    N, K = shape
+    if K % block_size or raw.numel() != N * K // block_size * type_size:
+        raise ValueError(f"{qtype.name} tensor of shape {shape}: {raw.numel()} bytes")
+    blocks = raw.contiguous().view(N, K // block_size, type_size)  # (N, K/32, bytes)
+    scales = blocks[..., 0:2].contiguous().view(torch.float16).view(N, -1)  # (N, K/32)
+    if qtype == GGMLQuantizationType.Q8_0:
+        codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(N, K)
+        return BlockFields(8, codes, scales, None)
+    start = 4 if qtype == GGMLQuantizationType.Q4_1 else 2
+    codes = _nibbles(blocks[..., start:]).reshape(N, K)  # (N, K/32, 2, 16) -> value order
+    if qtype == GGMLQuantizationType.Q4_1:
+        offsets = blocks[..., 2:4].contiguous().view(torch.float16).view(N, -1)
+    else:
+        offsets = scales * -8  # a power of two: exact in fp16
+    return BlockFields(4, codes, scales, offsets)

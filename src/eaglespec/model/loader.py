@@ -6,6 +6,7 @@ Weight-only quantization (`quant`, see model/quant.py) is applied last, whatever
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -16,10 +17,11 @@ from eaglespec.config import ModelConfig
 from eaglespec.errors import InvalidRequestError, ModelLoadError
 from eaglespec.model import cpu_attention, cpu_layer, cpu_rowops, w4a8
 from eaglespec.model.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint
+from eaglespec.model.dequant import FIELD_BITS, BlockFields
 from eaglespec.model.layers import rope_inv_freq
 from eaglespec.model.llama import Transformer
 from eaglespec.model.precision import AUTO, FOUR_BIT, Precision, choose
-from eaglespec.model.quant import check_quant_mode, quantize_model
+from eaglespec.model.quant import check_quant_mode, quantize_model, w4a8_bits
 from eaglespec.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,9 +82,10 @@ def load_model(
         w4a8_missing=w4a8.available,
     )
     cfg = ModelConfig.from_hf_dict(ckpt.config, source=str(path))
-    model = build_model(ckpt, cfg, parse_dtype(precision.dtype), torch.device(device))
     wide = wide_matrices(ckpt, cfg) if precision.quant == "w4a8-mixed" else frozenset()
-    quantize_model(model, precision.quant, wide)
+    stored = stored_layers(ckpt, cfg, precision.quant, wide)
+    model = build_model(ckpt, cfg, parse_dtype(precision.dtype), torch.device(device), stored)
+    quantize_model(model, precision.quant, wide)  # the linears `stored` did not make
     if torch.device(device).type == "cpu":
         # eaglespec's CPU kernels are built on first use (seconds, once per machine; loaded
         # from torch's extension cache after): here, not inside the first chat turn or request
@@ -133,42 +136,113 @@ def parameter_sources(cfg: ModelConfig) -> dict[str, list[str]]:
 
 
 def build_model(
-    ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    ckpt: Checkpoint,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    stored: Mapping[str, list[str]] | None = None,
 ) -> Transformer:
+    """The model with every parameter read from `ckpt` in `dtype`, except the linears in `stored`
+    (module path -> source tensors, `stored_layers`), which are made as w4a8 layers from the
+    file's blocks as they are: their dense weights are never made."""
+    stored = stored or {}
     factors = ckpt.rope_freq_factors if isinstance(ckpt, GGUFCheckpoint) else None
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, factors)
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq=inv_freq)
     expected = dict(model.named_parameters())  # tied lm_head appears once, as embed.weight
-    offset = norm_offset(ckpt, cfg)
-    available = ckpt.names()
     state: dict[str, torch.Tensor] = {}
     for ours, sources in parameter_sources(cfg).items():
-        want = tuple(expected[ours].shape)
-        parts = []
-        for name, rows in zip(sources, split_rows(ours, want[0], cfg), strict=True):
-            if name not in available:
-                raise ModelLoadError(f"{ckpt.path}: missing tensor '{name}'")
-            if tuple(ckpt.shape(name)) != (rows, *want[1:]):
-                raise ModelLoadError(
-                    f"{ckpt.path}: tensor '{name}' has shape {tuple(ckpt.shape(name))}, "
-                    f"the config implies {(rows, *want[1:])}"
-                )
-            if offset and ours.endswith("norm.weight"):  # in fp32, then to the dtype
-                parts.append((ckpt.load(name, torch.float32) + offset).to(dtype))
-            else:
-                parts.append(ckpt.load(name, dtype))
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        state[ours] = column_major(ours, tensor.to(device), device)
+        check_sources(ckpt, cfg, ours, sources, tuple(expected[ours].shape))
+        if ours.removesuffix(".weight") not in stored:
+            state[ours] = read_parameter(ckpt, cfg, ours, sources, dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the shared Parameter
+    for path, sources in stored.items():
+        parent, _, name = path.rpartition(".")
+        linear = model.get_submodule(path)
+        bias = None if linear.bias is None else linear.bias.detach()
+        fields = BlockFields.stack_rows([_fields(ckpt, s) for s in sources])
+        layer = w4a8.from_fields(fields, bias)
+        if layer is None:  # blocks the kernel cannot take as stored: dense, for quantize_model
+            weight = read_parameter(ckpt, cfg, f"{path}.weight", sources, dtype, device)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        else:
+            setattr(model.get_submodule(parent), name, layer)
     model.inv_freq = inv_freq.to(device)
     if cfg.rope_local_theta is not None:  # made on the meta device with the module
         model.inv_freq_local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None).to(device)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"parameters with no checkpoint source: {left}"
     return model.eval().requires_grad_(False)
+
+
+def check_sources(
+    ckpt: Checkpoint, cfg: ModelConfig, ours: str, sources: list[str], want: tuple[int, ...]
+) -> None:
+    """Every source tensor of parameter `ours` (shape `want`) present, of the rows it gives."""
+    available = ckpt.names()
+    for name, rows in zip(sources, split_rows(ours, want[0], cfg), strict=True):
+        if name not in available:
+            raise ModelLoadError(f"{ckpt.path}: missing tensor '{name}'")
+        if tuple(ckpt.shape(name)) != (rows, *want[1:]):
+            raise ModelLoadError(
+                f"{ckpt.path}: tensor '{name}' has shape {tuple(ckpt.shape(name))}, "
+                f"the config implies {(rows, *want[1:])}"
+            )
+
+
+def read_parameter(
+    ckpt: Checkpoint,
+    cfg: ModelConfig,
+    ours: str,
+    sources: list[str],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Parameter `ours` in `dtype` on `device`: its sources dequantized and concatenated."""
+    offset = norm_offset(ckpt, cfg)
+    parts = []
+    for name in sources:
+        if offset and ours.endswith("norm.weight"):  # in fp32, then to the dtype
+            parts.append((ckpt.load(name, torch.float32) + offset).to(dtype))
+        else:
+            parts.append(ckpt.load(name, dtype))
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return column_major(ours, tensor.to(device), device)
+
+
+def _fields(ckpt: Checkpoint, name: str) -> BlockFields:
+    fields = ckpt.fields(name) if isinstance(ckpt, GGUFCheckpoint) else None
+    assert fields is not None, f"{name}: stored_layers offered a tensor without block fields"
+    return fields
+
+
+def stored_layers(
+    ckpt: Checkpoint, cfg: ModelConfig, quant: str, wide: Collection[str] = ()
+) -> dict[str, list[str]]:
+    """The linears (module path -> source tensors, HF names, rows in order) that a w4a8 `quant`
+    makes from a GGUF's blocks as they are: every source stored as a type whose blocks are
+    already the kernel's form (dequant.FIELD_BITS: Q4_0 and Q4_1 for a 4-bit layer, Q8_0 for an
+    8-bit one, as quant.w4a8_bits gives the layer's width). Such a layer multiplies by exactly
+    the file's weights, as the dequantize-and-fit path (quant.py) recovers them from Q4 blocks;
+    skipping that path is most of a load's time (2.9 s -> 1.3 s for SmolLM2: BENCHMARKS.md).
+    A tied output head reads the embedding's blocks; the embedding itself stays dense."""
+    if not isinstance(ckpt, GGUFCheckpoint) or w4a8_bits(quant, "") is None:
+        return {}
+    linears = {
+        ours.removesuffix(".weight"): sources
+        for ours, sources in parameter_sources(cfg).items()
+        if ours.endswith((*_DECODER_LINEARS, "lm_head.weight"))
+    }
+    if cfg.tie_word_embeddings:
+        linears["lm_head"] = ["model.embed_tokens.weight"]
+    return {
+        path: sources
+        for path, sources in linears.items()
+        if all(FIELD_BITS.get(ckpt.qtype(s)) == w4a8_bits(quant, path, wide) for s in sources)
+    }
 
 
 def wide_matrices(ckpt: Checkpoint, cfg: ModelConfig) -> frozenset[str]:

@@ -414,6 +414,21 @@ _LAYERS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear],
     "w4a8-mixed": (_w4a8, _w8a8),
 }
 HEAD_NAME = "lm_head"
+# The w4a8 modes' widths: (body, output head and `wide` layers), as _LAYERS makes them.
+_W4A8_BITS = {"w4a8": (4, 8), "w4a8-all": (4, 4), "w4a8-mixed": (4, 8)}
+
+
+def _takes_head_kind(name: str, wide: Collection[str]) -> bool:
+    """Whether the linear at module path `name` is made as the output head is (`_LAYERS`'s
+    second entry): the head itself, or a layer named in w4a8-mixed's `wide`."""
+    return name.rpartition(".")[2] == HEAD_NAME or name in wide
+
+
+def w4a8_bits(mode: str, name: str, wide: Collection[str] = ()) -> int | None:
+    """The bits a w4a8 mode stores the linear at module path `name` at (4 or 8; what
+    quantize_model makes it), None for the other modes."""
+    bits = _W4A8_BITS.get(mode)
+    return None if bits is None else bits[_takes_head_kind(name, wide)]
 
 
 M = TypeVar("M", bound=nn.Module)
@@ -449,8 +464,7 @@ def quantize_model(model: M, mode: str, wide: Collection[str] = ()) -> M:
         raise ValueError(f"quant {mode}: `wide` is w4a8-mixed's")
     for parent, name, child_name, child in targets:
         if id(child) not in replaced:
-            head = child_name == HEAD_NAME or name in wide
-            make = make_head if head else make_body
+            make = make_head if _takes_head_kind(name, wide) else make_body
             replaced[id(child)] = make(child)
         setattr(parent, child_name, replaced[id(child)])
     return model

@@ -107,6 +107,7 @@ import torch
 from torch import nn
 
 from eaglespec.errors import InvalidRequestError
+from eaglespec.model.dequant import BlockFields
 from eaglespec.model.extension import build
 from eaglespec.model.quant import INT4_GROUP, _check_cpu, _QuantLinear, int4_codes
 
@@ -274,6 +275,19 @@ def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale, codes 0
     q = (wg / s.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
     return q.view(N, K), s
+
+
+def from_fields(fields: BlockFields, bias: torch.Tensor | None) -> nn.Module | None:
+    """A layer multiplying by exactly the weights a GGUF tensor's blocks store, made from their
+    codes and scales as they are (no dequantizing, no re-deriving): Q4_1 and Q4_0 blocks as
+    W4A8Linear, Q8_0 ones as W8A8Linear. None where the kernel cannot take them as stored: a Q8_0
+    code of -128 (the 8-bit kernel's codes are -127..127; from_linear's re-rounding takes those)."""
+    if fields.bits == 4:
+        assert fields.offsets is not None
+        return W4A8Linear(fields.codes, fields.scales, fields.offsets, bias)
+    if bool((fields.codes == -128).any()):  # host sync: a check, once per matrix at load
+        return None
+    return W8A8Linear(fields.codes, fields.scales, bias)
 
 
 def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
