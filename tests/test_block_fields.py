@@ -1,8 +1,9 @@
-"""A GGUF's Q4_0, Q4_1 and Q8_0 blocks go into the w4a8 kernels as they are stored
+"""A GGUF's Q4_0, Q4_1, Q4_K and Q8_0 blocks go into the w4a8 kernels as they are stored
 (dequant.block_fields, w4a8.from_fields, loader.stored_layers): the layers multiply by exactly
-the file's weights, and where the dequantize-and-fit path also recovers them exactly (Q4_1 and
-Q8_0 from fp32, SmolLM2's file from bf16), the packed bytes are that path's, so nothing a model
-computes changes; only the load gets faster."""
+the file's weights (Q4_K: up to an fp16 rounding of each sub-block's scale and offset), and where
+the dequantize-and-fit path also recovers them exactly (Q4_1 and Q8_0 from fp32, SmolLM2's file
+from bf16), the packed bytes are that path's, so nothing the default model computes changes;
+only the load gets faster."""
 
 from __future__ import annotations
 
@@ -51,6 +52,40 @@ def test_a_layer_from_the_fields_multiplies_by_the_files_weights(
         () if fields.offsets is None else (fields.offsets.float(),)
     )
     torch.testing.assert_close(layer(x).float(), ref(x, *args), rtol=0.02, atol=0.02)
+
+
+def _q4_k_raw(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    """Random Q4_K blocks (gguf cannot quantize to Q4_K) with small finite d and dmin."""
+    rng = np.random.default_rng(seed)
+    n = shape[0] * shape[1] // 256
+    blocks = rng.integers(0, 256, (n, 144), dtype=np.uint8)
+    for start in (0, 2):  # d, dmin
+        scale = (np.abs(rng.standard_normal(n)) * 0.002).astype(np.float16)
+        blocks[:, start : start + 2] = scale.view(np.uint8).reshape(n, 2)
+    return torch.from_numpy(blocks.reshape(-1))
+
+
+@pytest.mark.parametrize("shape", [(16, 512), (20, 256)])
+def test_q4_k_fields_are_the_files_codes_with_fp16_scales(shape: tuple[int, int]) -> None:
+    """Q4_K's sub-block scale d sc and offset -dmin m are products the kernel stores in fp16: each
+    weight is the file's up to those two roundings, and every code is the file's."""
+    raw = _q4_k_raw(shape)
+    fields = block_fields(raw, Q.Q4_K, shape)
+    assert fields is not None and fields.bits == 4
+    layer = w4a8.from_fields(fields, None)
+    assert layer is not None
+    exact = dequantize(raw, Q.Q4_K, shape)  # (N, K) fp32
+    s = fields.scales.float().repeat_interleave(32, 1)  # (N, K)
+    mn = fields.offsets.float().repeat_interleave(32, 1)
+    assert torch.equal(layer.dequantize(), fields.codes.float() * s + mn)
+    # off by at most the two fp16 roundings (a wrong code would be off by a whole step)
+    bound = 15 * _half_ulp(s) + _half_ulp(mn)
+    assert bool(((layer.dequantize() - exact).abs() <= bound).all())
+
+
+def _half_ulp(t: torch.Tensor) -> torch.Tensor:
+    """At least half an fp16 unit in the last place of each value of t (subnormals included)."""
+    return (torch.finfo(torch.float16).eps * t.abs() + 2.0**-24) / 2
 
 
 def test_other_types_and_shapes_have_no_fields() -> None:

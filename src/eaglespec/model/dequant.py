@@ -235,8 +235,9 @@ def dequantize(
 class BlockFields:
     """A 2-D tensor's blocks of 32 as they store it, where that is already the w4a8 kernels' form
     (model/w4a8.py): w = codes * scale + offset per block, the kernels' own formula, so a layer
-    made from the fields multiplies by exactly the file's weights without dequantizing them.
-    Dims: N rows, K columns, K/32 blocks a row."""
+    made from the fields multiplies by the file's weights without dequantizing them: exactly for
+    Q4_0, Q4_1 and Q8_0, for Q4_K up to one fp16 rounding of each sub-block's scale and offset
+    (`_q4_k_fields`). Dims: N rows, K columns, K/32 blocks a row."""
 
     bits: int  # 4: codes 0..15 with an offset; 8: signed codes, no offset
     codes: torch.Tensor  # (N, K) uint8 (4 bits) or int8 (8 bits)
@@ -266,11 +267,12 @@ class BlockFields:
 
 # The block types whose fields are the w4a8 kernels' form, and the kernel width that takes them:
 # Q4_1 (x = d q + m: scale d, offset m), Q4_0 (x = d (q - 8): scale d, offset -8 d, exact in
-# fp16) and Q8_0 (x = d q).
+# fp16), Q8_0 (x = d q) and Q4_K (x = (d sc) q - dmin m per sub-block of 32: `_q4_k_fields`).
 FIELD_BITS: dict[GGMLQuantizationType, int] = {
     GGMLQuantizationType.Q4_0: 4,
     GGMLQuantizationType.Q4_1: 4,
     GGMLQuantizationType.Q8_0: 8,
+    GGMLQuantizationType.Q4_K: 4,
 }
 
 
@@ -290,6 +292,8 @@ def block_fields(
     if qtype == GGMLQuantizationType.Q8_0:
         codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(N, K)
         return BlockFields(8, codes, scales, None)
+    if qtype == GGMLQuantizationType.Q4_K:
+        return _q4_k_fields(blocks.reshape(-1, type_size), N, K)
     start = 4 if qtype == GGMLQuantizationType.Q4_1 else 2
     codes = _nibbles(blocks[..., start:]).reshape(N, K)  # (N, K/32, 2, 16) -> value order
     if qtype == GGMLQuantizationType.Q4_1:
@@ -297,3 +301,16 @@ def block_fields(
     else:
         offsets = scales * -8  # a power of two: exact in fp16
     return BlockFields(4, codes, scales, offsets)
+
+
+def _q4_k_fields(blocks: torch.Tensor, N: int, K: int) -> BlockFields:
+    """Q4_K's fields (blocks: (N * K/256, 144) bytes, `_q4_k`'s layout): sub-block j of 32 holds
+    x = (d sc_j) q - (dmin m_j), so its scale is d sc_j and its offset -(dmin m_j), products of an
+    fp16 and a 6-bit integer, exact in fp32 and rounded once to fp16 here (the kernel's scale
+    dtype). Every code is the file's."""
+    n = blocks.shape[0]
+    sc, mn = _k_scale_min(blocks[:, 4:16])  # (n, 8, 1) each
+    scales = (_f16(blocks, 0).view(n, 1, 1) * sc).half()  # (n, 8, 1)
+    offsets = -(_f16(blocks, 2).view(n, 1, 1) * mn).half()
+    codes = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(N, K)  # (n, 8, 32) in value order
+    return BlockFields(4, codes, scales.view(N, -1), offsets.view(N, -1))

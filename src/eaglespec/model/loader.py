@@ -224,11 +224,14 @@ def stored_layers(
 ) -> dict[str, list[str]]:
     """The linears (module path -> source tensors, HF names, rows in order) that a w4a8 `quant`
     makes from a GGUF's blocks as they are: every source stored as a type whose blocks are
-    already the kernel's form (dequant.FIELD_BITS: Q4_0 and Q4_1 for a 4-bit layer, Q8_0 for an
-    8-bit one, as quant.w4a8_bits gives the layer's width). Such a layer multiplies by exactly
-    the file's weights, as the dequantize-and-fit path (quant.py) recovers them from Q4 blocks;
-    skipping that path is most of a load's time (2.9 s -> 1.3 s for SmolLM2: BENCHMARKS.md).
-    A tied output head reads the embedding's blocks; the embedding itself stays dense."""
+    already the kernel's form (dequant.FIELD_BITS: Q4_0, Q4_1 and Q4_K for a 4-bit layer, Q8_0
+    for an 8-bit one, as quant.w4a8_bits gives the layer's width). The fitting path (quant.py)
+    dequantizes to the model's dtype and re-derives codes and scales from the values: the same
+    bytes for SmolLM2's Q4_1 and Q8_0 (its weights were bf16 to begin with), 4x further from a
+    Q4_K file's weights than its blocks' own fp16-rounded scales (mean error, Qwen2.5-Coder-0.5B),
+    and most of a load's time
+    (SmolLM2 2.4 -> 0.9 s, Qwen2.5-Coder-1.5B 96 -> 39 s: BENCHMARKS.md). A tied output head reads
+    the embedding's blocks; the embedding itself stays dense."""
     if not isinstance(ckpt, GGUFCheckpoint) or w4a8_bits(quant, "") is None:
         return {}
     linears = {

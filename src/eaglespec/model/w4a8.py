@@ -278,10 +278,11 @@ def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def from_fields(fields: BlockFields, bias: torch.Tensor | None) -> nn.Module | None:
-    """A layer multiplying by exactly the weights a GGUF tensor's blocks store, made from their
-    codes and scales as they are (no dequantizing, no re-deriving): Q4_1 and Q4_0 blocks as
-    W4A8Linear, Q8_0 ones as W8A8Linear. None where the kernel cannot take them as stored: a Q8_0
-    code of -128 (the 8-bit kernel's codes are -127..127; from_linear's re-rounding takes those)."""
+    """A layer multiplying by the weights a GGUF tensor's blocks store, made from their codes and
+    scales as they are (no dequantizing, no re-fitting; dequant.BlockFields says how exact): Q4_0,
+    Q4_1 and Q4_K blocks as W4A8Linear, Q8_0 ones as W8A8Linear. None where the kernel cannot take
+    them as stored: a Q8_0 code of -128 (the 8-bit kernel's codes are -127..127; from_linear's
+    re-rounding takes those)."""
     if fields.bits == 4:
         assert fields.offsets is not None
         return W4A8Linear(fields.codes, fields.scales, fields.offsets, bias)
