@@ -19,7 +19,7 @@ from eaglespec.config import ModelConfig
 from eaglespec.model import w4a8
 from eaglespec.model.checkpoint import GGUFCheckpoint
 from eaglespec.model.dequant import block_fields, dequantize
-from eaglespec.model.loader import build_model, load_model, stored_layers
+from eaglespec.model.loader import build_model, load_model, source_fields, stored_layers
 from eaglespec.model.quant import quantize_model, w4a8_bits
 
 pytestmark = pytest.mark.skipif(
@@ -93,13 +93,6 @@ def test_other_types_and_shapes_have_no_fields() -> None:
     assert block_fields(_raw(Q.Q4_1, (16, 64)), Q.Q4_1, (1024,)) is None  # not a matrix
 
 
-def test_a_q8_0_code_of_minus_128_is_left_to_the_fitting_path() -> None:
-    raw = _raw(Q.Q8_0, (16, 64))
-    raw.view(-1, 34)[3, 2 + 5] = 128  # block 3's code 5: int8 -128, outside the kernel's codes
-    fields = block_fields(raw, Q.Q8_0, (16, 64))
-    assert fields is not None and w4a8.from_fields(fields, None) is None
-
-
 def test_the_widths_are_the_ones_quantize_model_makes() -> None:
     assert w4a8_bits("w4a8", "layers.0.attn.wqkv") == 4
     assert w4a8_bits("w4a8", "lm_head") == 8
@@ -163,23 +156,44 @@ def _both_ways(path: Path, dtype: torch.dtype, quant: str = "w4a8"):
 
 
 @pytest.mark.parametrize("head", [None, Q.Q8_0, Q.Q5_1], ids=["tied", "q8_0", "q5_1"])
-def test_a_gguf_builds_the_same_layers_from_its_blocks(tmp_path: Path, head: Q | None) -> None:
+def test_a_gguf_builds_the_same_layers_source_by_source(tmp_path: Path, head: Q | None) -> None:
     """From fp32, the fitting path recovers Q4_1 and Q8_0 blocks exactly, so both ways give the
     same bytes, q and k rows put back in HF order (llama) included; a Q5_0 matrix and a Q5_1
-    head are not the kernels' form and go the fitting way."""
+    head are fitted from their own weights, as quantize_model fits them."""
     path = tmp_path / "tiny.gguf"
     _tiny_llama_gguf(path, head)
     direct, fitted, stored = _both_ways(path, torch.float32)
-    expected = {f"layers.{i}.{m}" for i in range(2) for m in ("attn.wqkv", "attn.wo", "mlp.w13")}
-    expected |= {"layers.0.mlp.w2"} | ({"lm_head"} if head != Q.Q5_1 else set())
-    assert set(stored) == expected
+    linears = {f"layers.{i}.{m}" for i in range(2) for m in ("attn.wqkv", "attn.wo", "mlp.w13")}
+    assert set(stored) == linears | {"layers.0.mlp.w2", "layers.1.mlp.w2", "lm_head"}
+    assert stored["lm_head"].bits == 8 and stored["layers.1.mlp.w2"].bits == 4
+    _same_model(direct, fitted)
+
+
+def _same_model(direct: torch.nn.Module, fitted: torch.nn.Module) -> None:
     a, b = direct.state_dict(), fitted.state_dict()
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
-    assert type(direct.lm_head) is type(fitted.lm_head) is w4a8.W8A8Linear
+    assert [type(m) for m in direct.modules()] == [type(m) for m in fitted.modules()]
     tokens, positions = torch.tensor([[1, 5, 9, 2]]), torch.arange(4)[None]
     logits = [m(tokens, positions, m.new_cache(1, 8)).logits for m in (direct, fitted)]
     assert torch.equal(*logits)
+
+
+def test_a_q8_0_code_of_minus_128_is_fitted(tmp_path: Path) -> None:
+    """The 8-bit kernel's codes are -127..127: a Q8_0 matrix holding -128 is fitted from its
+    weights instead of taken as stored."""
+    path = tmp_path / "tiny.gguf"
+    _tiny_llama_gguf(path, Q.Q8_0)
+    info = GGUFCheckpoint.open(path).file.tensors["output.weight"]
+    data = bytearray(path.read_bytes())
+    data[info.offset + 3 * 34 + 2 + 5] = 0x80  # block 3's code 5: int8 -128
+    path.write_bytes(bytes(data))
+    ckpt = GGUFCheckpoint.open(path)
+    assert int(ckpt.fields("lm_head.weight").codes.min()) == -128
+    fitted_head = source_fields(ckpt, "lm_head.weight", 8, torch.float32)
+    assert int(fitted_head.codes.min()) >= -127
+    direct, fitted, _ = _both_ways(path, torch.float32)
+    _same_model(direct, fitted)
 
 
 def test_from_bf16_the_blocks_are_the_files_weights_exactly(tmp_path: Path) -> None:
@@ -189,8 +203,10 @@ def test_from_bf16_the_blocks_are_the_files_weights_exactly(tmp_path: Path) -> N
     _tiny_llama_gguf(path, Q.Q8_0, decoder=Q.Q4_0)
     direct, _, stored = _both_ways(path, torch.bfloat16)
     ckpt = GGUFCheckpoint.open(path)
-    for name, sources in stored.items():
-        exact = torch.cat([ckpt.load(s, torch.float32) for s in sources])
+    as_stored = {n: m for n, m in stored.items() if ckpt.qtype(m.sources[0]) in (Q.Q4_0, Q.Q8_0)}
+    assert len(as_stored) == len(stored) - 1  # all but layer 1's Q5_0 w2
+    for name, layer in as_stored.items():
+        exact = torch.cat([ckpt.load(s, torch.float32) for s in layer.sources])
         assert torch.equal(direct.get_submodule(name).dequantize(), exact), name
 
 

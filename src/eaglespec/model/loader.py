@@ -140,11 +140,11 @@ def build_model(
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
-    stored: Mapping[str, list[str]] | None = None,
+    stored: Mapping[str, StoredLayer] | None = None,
 ) -> Transformer:
     """The model with every parameter read from `ckpt` in `dtype`, except the linears in `stored`
-    (module path -> source tensors, `stored_layers`), which are made as w4a8 layers from the
-    file's blocks as they are: their dense weights are never made."""
+    (`stored_layers`), which are made as w4a8 layers source by source (`source_fields`): their
+    dense weights are never made whole."""
     stored = stored or {}
     factors = ckpt.rope_freq_factors if isinstance(ckpt, GGUFCheckpoint) else None
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, factors)
@@ -159,17 +159,14 @@ def build_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the shared Parameter
-    for path, sources in stored.items():
+    for path, layer in stored.items():
         parent, _, name = path.rpartition(".")
-        linear = model.get_submodule(path)
-        bias = None if linear.bias is None else linear.bias.detach()
-        fields = BlockFields.stack_rows([_fields(ckpt, s) for s in sources])
-        layer = w4a8.from_fields(fields, bias)
-        if layer is None:  # blocks the kernel cannot take as stored: dense, for quantize_model
-            weight = read_parameter(ckpt, cfg, f"{path}.weight", sources, dtype, device)
-            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-        else:
-            setattr(model.get_submodule(parent), name, layer)
+        bias = model.get_submodule(path).bias
+        fields = [source_fields(ckpt, s, layer.bits, dtype) for s in layer.sources]
+        made = w4a8.from_fields(
+            BlockFields.stack_rows(fields), None if bias is None else bias.detach()
+        )
+        setattr(model.get_submodule(parent), name, made)
     model.inv_freq = inv_freq.to(device)
     if cfg.rope_local_theta is not None:  # made on the meta device with the module
         model.inv_freq_local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None).to(device)
@@ -213,25 +210,42 @@ def read_parameter(
     return column_major(ours, tensor.to(device), device)
 
 
-def _fields(ckpt: Checkpoint, name: str) -> BlockFields:
-    fields = ckpt.fields(name) if isinstance(ckpt, GGUFCheckpoint) else None
-    assert fields is not None, f"{name}: stored_layers offered a tensor without block fields"
-    return fields
+@dataclass(frozen=True)
+class StoredLayer:
+    """A linear that a w4a8 quant makes from a GGUF source by source (`stored_layers`)."""
+
+    sources: list[str]  # HF names, rows in order
+    bits: int  # the kernel width the quant runs it at (quant.w4a8_bits)
+
+
+def source_fields(ckpt: Checkpoint, name: str, bits: int, dtype: torch.dtype) -> BlockFields:
+    """Source tensor `name`'s rows of a `bits`-bit w4a8 layer. Where the file stores it as a type
+    whose blocks are the kernel's form (dequant.FIELD_BITS: Q4_0, Q4_1 or Q4_K for 4 bits, Q8_0
+    for 8), its blocks as they are (`GGUFCheckpoint.fields`); else fitted from its weights
+    dequantized to `dtype`, as quant.py fits a whole layer (the same bytes: the fit is per
+    group), without int4_codes' search for groups on a coarser grid, which only 4-bit blocks have
+    (none of Qwen2.5-Coder-1.5B's 13.5M Q6_K groups is one; the search was 24 of its 44 s)."""
+    gguf = isinstance(ckpt, GGUFCheckpoint)
+    stored_bits = FIELD_BITS.get(ckpt.qtype(name)) if gguf else None
+    fields = ckpt.fields(name) if gguf and stored_bits == bits else None
+    if fields is not None and not (bits == 8 and bool((fields.codes == -128).any())):
+        return fields  # (a Q8_0 code of -128 is outside the 8-bit kernel's codes: fitted)
+    four_bit = gguf and ckpt.qtype(name).name in FOUR_BIT
+    return w4a8.fit_fields(ckpt.load(name, dtype), bits, fit_spans=four_bit)
 
 
 def stored_layers(
     ckpt: Checkpoint, cfg: ModelConfig, quant: str, wide: Collection[str] = ()
-) -> dict[str, list[str]]:
-    """The linears (module path -> source tensors, HF names, rows in order) that a w4a8 `quant`
-    makes from a GGUF's blocks as they are: every source stored as a type whose blocks are
-    already the kernel's form (dequant.FIELD_BITS: Q4_0, Q4_1 and Q4_K for a 4-bit layer, Q8_0
-    for an 8-bit one, as quant.w4a8_bits gives the layer's width). The fitting path (quant.py)
-    dequantizes to the model's dtype and re-derives codes and scales from the values: the same
-    bytes for SmolLM2's Q4_1 and Q8_0 (its weights were bf16 to begin with), 4x further from a
-    Q4_K file's weights than its blocks' own fp16-rounded scales (mean error, Qwen2.5-Coder-0.5B),
-    and most of a load's time
-    (SmolLM2 2.4 -> 0.9 s, Qwen2.5-Coder-1.5B 96 -> 39 s: BENCHMARKS.md). A tied output head reads
-    the embedding's blocks; the embedding itself stays dense."""
+) -> dict[str, StoredLayer]:
+    """Under a w4a8 `quant`, a GGUF's decoder linears and output head (module path -> sources
+    and width), made source by source (`source_fields`) rather than from a dense model by
+    quantize_model. Where a source is stored as the kernel's form its blocks go in as they are;
+    the fitting path (quant.py) dequantizes to the model's dtype and re-derives codes and scales
+    from the values: the same bytes for SmolLM2's Q4_1 and Q8_0 (its weights were bf16 to begin
+    with), 4x further from a Q4_K file's weights than its blocks' own fp16-rounded scales (mean
+    error, Qwen2.5-Coder-0.5B), and most of a load's time (SmolLM2 2.4 -> 0.9 s,
+    Qwen2.5-Coder-1.5B 98 -> 12 s: BENCHMARKS.md). A tied output head reads the embedding's
+    blocks; the embedding itself stays dense."""
     if not isinstance(ckpt, GGUFCheckpoint) or w4a8_bits(quant, "") is None:
         return {}
     linears = {
@@ -242,9 +256,8 @@ def stored_layers(
     if cfg.tie_word_embeddings:
         linears["lm_head"] = ["model.embed_tokens.weight"]
     return {
-        path: sources
+        path: StoredLayer(sources, w4a8_bits(quant, path, wide) or 0)
         for path, sources in linears.items()
-        if all(FIELD_BITS.get(ckpt.qtype(s)) == w4a8_bits(quant, path, wide) for s in sources)
     }
 
 

@@ -277,18 +277,26 @@ def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(N, K), s
 
 
-def from_fields(fields: BlockFields, bias: torch.Tensor | None) -> nn.Module | None:
-    """A layer multiplying by the weights a GGUF tensor's blocks store, made from their codes and
-    scales as they are (no dequantizing, no re-fitting; dequant.BlockFields says how exact): Q4_0,
-    Q4_1 and Q4_K blocks as W4A8Linear, Q8_0 ones as W8A8Linear. None where the kernel cannot take
-    them as stored: a Q8_0 code of -128 (the 8-bit kernel's codes are -127..127; from_linear's
-    re-rounding takes those)."""
+def from_fields(fields: BlockFields, bias: torch.Tensor | None) -> nn.Module:
+    """A layer multiplying by the weights `fields` hold (dequant.BlockFields): 4-bit ones as
+    W4A8Linear, 8-bit ones (codes in -127..127) as W8A8Linear. From a GGUF's blocks as stored,
+    no dequantizing and no re-fitting (loader.source_fields)."""
     if fields.bits == 4:
         assert fields.offsets is not None
         return W4A8Linear(fields.codes, fields.scales, fields.offsets, bias)
-    if bool((fields.codes == -128).any()):  # host sync: a check, once per matrix at load
-        return None
     return W8A8Linear(fields.codes, fields.scales, bias)
+
+
+def fit_fields(w: torch.Tensor, bits: int, *, fit_spans: bool = True) -> BlockFields:
+    """(N, K) weights -> the fields from_linear would pack for them at `bits`: 4 bits through
+    int4_group_codes (`fit_spans`: quant.int4_codes' search for groups on a coarser grid, which
+    only weights from 4-bit blocks have), 8 through int8_group_codes. Per group of 32, so rows
+    fitted apart are the rows fitted together."""
+    if bits == 8:
+        q8, s8 = int8_group_codes(w)
+        return BlockFields(8, q8, s8, None)
+    q, s, lo = int4_codes(w.float(), scale_dtype=torch.float16, fit_spans=fit_spans)
+    return BlockFields(4, q.to(torch.uint8), s.half(), lo.half())
 
 
 def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
