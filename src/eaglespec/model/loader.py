@@ -1,6 +1,8 @@
 """Build a `Transformer` from a checkpoint: config from the checkpoint itself, the module on the
 meta device, then each parameter read once (dequantized, fused, cast) and assigned without copies.
-Weight-only quantization (`quant`, see model/quant.py) is applied last, whatever the source.
+Weight-only quantization (`quant`, see model/quant.py) is applied last, whatever the source,
+but for a GGUF's linears under w4a8, which are made from its blocks as they load
+(`stored_layers`).
 """
 
 from __future__ import annotations
@@ -83,7 +85,9 @@ def load_model(
     )
     cfg = ModelConfig.from_hf_dict(ckpt.config, source=str(path))
     wide = wide_matrices(ckpt, cfg) if precision.quant == "w4a8-mixed" else frozenset()
-    stored = stored_layers(ckpt, cfg, precision.quant, wide)
+    # (the w4a8 kernels are CPU only: elsewhere quantize_model refuses the mode by name)
+    on_cpu = torch.device(device).type == "cpu"
+    stored = stored_layers(ckpt, cfg, precision.quant, wide) if on_cpu else {}
     model = build_model(ckpt, cfg, parse_dtype(precision.dtype), torch.device(device), stored)
     quantize_model(model, precision.quant, wide)  # the linears `stored` did not make
     if torch.device(device).type == "cpu":
