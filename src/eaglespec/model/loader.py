@@ -163,6 +163,7 @@ def build_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the shared Parameter
+    assert isinstance(ckpt, GGUFCheckpoint) or not stored, "stored layers come from a GGUF"
     for path, layer in stored.items():
         parent, _, name = path.rpartition(".")
         bias = model.get_submodule(path).bias
@@ -222,20 +223,18 @@ class StoredLayer:
     bits: int  # the kernel width the quant runs it at (quant.w4a8_bits)
 
 
-def source_fields(ckpt: Checkpoint, name: str, bits: int, dtype: torch.dtype) -> BlockFields:
+def source_fields(ckpt: GGUFCheckpoint, name: str, bits: int, dtype: torch.dtype) -> BlockFields:
     """Source tensor `name`'s rows of a `bits`-bit w4a8 layer. Where the file stores it as a type
     whose blocks are the kernel's form (dequant.FIELD_BITS: Q4_0, Q4_1 or Q4_K for 4 bits, Q8_0
     for 8), its blocks as they are (`GGUFCheckpoint.fields`); else fitted from its weights
     dequantized to `dtype`, as quant.py fits a whole layer (the same bytes: the fit is per
     group), without int4_codes' search for groups on a coarser grid, which only 4-bit blocks have
     (none of Qwen2.5-Coder-1.5B's 13.5M Q6_K groups is one; the search was 24 of its 44 s)."""
-    gguf = isinstance(ckpt, GGUFCheckpoint)
-    stored_bits = FIELD_BITS.get(ckpt.qtype(name)) if gguf else None
-    fields = ckpt.fields(name) if gguf and stored_bits == bits else None
-    if fields is not None and not (bits == 8 and bool((fields.codes == -128).any())):
+    qtype = ckpt.qtype(name)
+    fields = ckpt.fields(name) if FIELD_BITS.get(qtype) == bits else None
+    if fields is not None and not (bits == 8 and bool((fields.codes == -128).any())):  # host sync
         return fields  # (a Q8_0 code of -128 is outside the 8-bit kernel's codes: fitted)
-    four_bit = gguf and ckpt.qtype(name).name in FOUR_BIT
-    return w4a8.fit_fields(ckpt.load(name, dtype), bits, fit_spans=four_bit)
+    return w4a8.fit_fields(ckpt.load(name, dtype), bits, fit_spans=qtype.name in FOUR_BIT)
 
 
 def stored_layers(
