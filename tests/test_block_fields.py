@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from tests.helpers import tiny_target
 
 from eaglespec.config import ModelConfig
 from eaglespec.model import w4a8
@@ -93,11 +94,15 @@ def test_other_types_and_shapes_have_no_fields() -> None:
     assert block_fields(_raw(Q.Q4_1, (16, 64)), Q.Q4_1, (1024,)) is None  # not a matrix
 
 
-def test_the_widths_are_the_ones_quantize_model_makes() -> None:
-    assert w4a8_bits("w4a8", "layers.0.attn.wqkv") == 4
-    assert w4a8_bits("w4a8", "lm_head") == 8
-    assert w4a8_bits("w4a8-all", "lm_head") == 4
-    assert w4a8_bits("w4a8-mixed", "layers.1.mlp.w2", {"layers.1.mlp.w2"}) == 8
+@pytest.mark.parametrize("mode", ["w4a8", "w4a8-all", "w4a8-mixed"])
+def test_the_widths_are_the_ones_quantize_model_makes(mode: str) -> None:
+    """stored_layers builds each layer at w4a8_bits' width: what quantize_model makes it."""
+    wide = {"layers.1.mlp.w2", "layers.0.attn.wqkv"} if mode == "w4a8-mixed" else set()
+    model = quantize_model(tiny_target(0, vocab=96, layers=2), mode, wide)
+    kinds = {w4a8.W4A8Linear: 4, w4a8.W8A8Linear: 8}
+    made = {n: kinds[type(m)] for n, m in model.named_modules() if type(m) in kinds}
+    assert len(made) == 2 * 4 + 1
+    assert made == {name: w4a8_bits(mode, name, wide) for name in made}
     assert w4a8_bits("int4", "lm_head") is None
 
 
