@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from tests.helpers import tiny_target
 
 from eaglespec.config import ModelConfig
+from eaglespec.errors import ModelLoadError
 from eaglespec.model import w4a8
 from eaglespec.model.checkpoint import GGUFCheckpoint
 from eaglespec.model.dequant import block_fields, dequantize
@@ -199,6 +200,25 @@ def test_a_q8_0_code_of_minus_128_is_fitted(tmp_path: Path) -> None:
     assert int(fitted_head.codes.min()) >= -127
     direct, fitted, _ = _both_ways(path, torch.float32)
     _same_model(direct, fitted)
+
+
+@pytest.mark.parametrize("quant", ["w4a8", "w4a8-mixed"])
+def test_a_missing_tensor_is_named_at_every_w4a8_mode(
+    tmp_path: Path, quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The widths are read from the file before the shape checks: a missing matrix is still a
+    ModelLoadError naming it, not a KeyError."""
+    add = gguf.GGUFWriter.add_tensor
+
+    def leave_out_up(self, name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name != "blk.1.ffn_up.weight":
+            add(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", leave_out_up)
+    path = tmp_path / "tiny.gguf"
+    _tiny_llama_gguf(path, Q.Q8_0)
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj"):
+        load_model(path, dtype="bfloat16", quant=quant)
 
 
 def test_from_bf16_the_blocks_are_the_files_weights_exactly(tmp_path: Path) -> None:

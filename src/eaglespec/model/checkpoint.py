@@ -106,8 +106,12 @@ class GGUFCheckpoint:
         return self._hf_rows(name, t).to(dtype)
 
     def qtype(self, name: str) -> GGMLQuantizationType:
-        """How the file stores tensor `name` (HF name)."""
-        return self.file.tensors[self.hf_to_gguf[name]].qtype
+        """How the file stores tensor `name` (HF name). Read before the loader's shape checks
+        (which matrices w4a8-mixed widens), so a missing tensor is named here too."""
+        gguf_name = self.hf_to_gguf.get(name)
+        if gguf_name is None:
+            raise ModelLoadError(f"{self.path}: missing tensor '{name}'")
+        return self.file.tensors[gguf_name].qtype
 
     def fields(self, name: str) -> BlockFields | None:
         """Tensor `name`'s blocks as codes and scales (dequant.block_fields), rows in HF order as

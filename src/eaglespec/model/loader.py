@@ -90,7 +90,7 @@ def load_model(
     stored = stored_layers(ckpt, cfg, precision.quant, wide) if on_cpu else {}
     model = build_model(ckpt, cfg, parse_dtype(precision.dtype), torch.device(device), stored)
     quantize_model(model, precision.quant, wide)  # the linears `stored` did not make
-    if torch.device(device).type == "cpu":
+    if on_cpu:
         # eaglespec's CPU kernels are built on first use (seconds, once per machine; loaded
         # from torch's extension cache after): here, not inside the first chat turn or request
         cpu_attention.available()
@@ -155,9 +155,10 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq=inv_freq)
     expected = dict(model.named_parameters())  # tied lm_head appears once, as embed.weight
+    available = ckpt.names()
     state: dict[str, torch.Tensor] = {}
     for ours, sources in parameter_sources(cfg).items():
-        check_sources(ckpt, cfg, ours, sources, tuple(expected[ours].shape))
+        check_sources(ckpt, cfg, available, ours, sources, tuple(expected[ours].shape))
         if ours.removesuffix(".weight") not in stored:
             state[ours] = read_parameter(ckpt, cfg, ours, sources, dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
@@ -181,10 +182,14 @@ def build_model(
 
 
 def check_sources(
-    ckpt: Checkpoint, cfg: ModelConfig, ours: str, sources: list[str], want: tuple[int, ...]
+    ckpt: Checkpoint,
+    cfg: ModelConfig,
+    available: Collection[str],  # ckpt.names()
+    ours: str,
+    sources: list[str],
+    want: tuple[int, ...],
 ) -> None:
     """Every source tensor of parameter `ours` (shape `want`) present, of the rows it gives."""
-    available = ckpt.names()
     for name, rows in zip(sources, split_rows(ours, want[0], cfg), strict=True):
         if name not in available:
             raise ModelLoadError(f"{ckpt.path}: missing tensor '{name}'")
@@ -269,11 +274,11 @@ def wide_matrices(ckpt: Checkpoint, cfg: ModelConfig) -> frozenset[str]:
     GGUF stores above 4 bits: w4a8-mixed runs them through the 8-bit kernel."""
     if not isinstance(ckpt, GGUFCheckpoint):
         return frozenset()
-    stored = {hf: ckpt.file.tensors[g].qtype.name for hf, g in ckpt.hf_to_gguf.items()}
     return frozenset(
         ours.removesuffix(".weight")
         for ours, sources in parameter_sources(cfg).items()
-        if ours.endswith(_DECODER_LINEARS) and any(stored[s] not in FOUR_BIT for s in sources)
+        if ours.endswith(_DECODER_LINEARS)
+        and any(ckpt.qtype(s).name not in FOUR_BIT for s in sources)
     )
 
 
