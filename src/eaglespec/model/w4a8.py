@@ -257,11 +257,14 @@ def _f16_values(b: torch.Tensor, N: int) -> torch.Tensor:
     return t16.transpose(1, 2).reshape(-1, b.shape[1])[:N].float()
 
 
-def int4_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_group_codes(
+    w: torch.Tensor, *, fit_spans: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, K) weights -> int4's codes (N, K), scales and group minimums (N, K/G), the scales
-    rounded to fp16 as they are stored (quant.int4_codes). On a Q4_1 or Q4_0 tensor dequantized
-    to fp32 this recovers the file's codes, scales and minimums exactly."""
-    return int4_codes(w.float(), scale_dtype=torch.float16)
+    rounded to fp16 as they are stored (quant.int4_codes, `fit_spans` its search for groups on a
+    coarser grid). On a Q4_1 or Q4_0 tensor dequantized to fp32 this recovers the file's codes,
+    scales and minimums exactly."""
+    return int4_codes(w.float(), scale_dtype=torch.float16, fit_spans=fit_spans)
 
 
 def int8_group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +298,7 @@ def fit_fields(w: torch.Tensor, bits: int, *, fit_spans: bool = True) -> BlockFi
     if bits == 8:
         q8, s8 = int8_group_codes(w)
         return BlockFields(8, q8, s8, None)
-    q, s, lo = int4_codes(w.float(), scale_dtype=torch.float16, fit_spans=fit_spans)
+    q, s, lo = int4_group_codes(w, fit_spans=fit_spans)
     return BlockFields(4, q.to(torch.uint8), s.half(), lo.half())
 
 
