@@ -32,21 +32,28 @@ from eaglespec.model.extension import CSRC, compile_and_load
 SOURCE = CSRC / "w4a8.cpp"
 
 
-def source_text(ref: str) -> str:
-    """The kernel's source at a git revision, or a file's text."""
+def source_text(ref: str, name: str = SOURCE.name) -> str:
+    """`name` (the kernel's source, or a header beside it) at a git revision, or, where `ref` is
+    a .cpp file, that file itself and the headers beside it (else the working tree's)."""
     if Path(ref).is_file():
-        return Path(ref).read_text()
-    rel = SOURCE.relative_to(Path(__file__).resolve().parent.parent)
+        path = Path(ref) if name == SOURCE.name else Path(ref).parent / name
+        return (path if path.is_file() else SOURCE.parent / name).read_text()
+    rel = (SOURCE.parent / name).relative_to(Path(__file__).resolve().parent.parent)
     return subprocess.run(
         ["git", "show", f"{ref}:{rel}"], check=True, capture_output=True, text=True
     ).stdout
 
 
 def load(ref: str, label: str, folder: Path) -> object:
-    """Compile the source under the namespace kernel_ab_<label>; its ops."""
+    """Compile the source, with the headers it includes, under the namespace kernel_ab_<label>;
+    its ops."""
     namespace = f"kernel_ab_{label}"
+    here = folder / label
+    here.mkdir()
+    for header in sorted(SOURCE.parent.glob("*.h")):
+        (here / header.name).write_text(source_text(ref, header.name))
     text = source_text(ref).replace("eaglespec_w4a8", namespace)
-    path = folder / f"{namespace}.cpp"
+    path = here / f"{namespace}.cpp"
     path.write_text(text)
     compile_and_load(path, namespace)
     return getattr(torch.ops, namespace)
