@@ -100,12 +100,15 @@ def default_plain():
 
 @pytest.fixture(autouse=True)
 def _calibration_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
-    """Stored calibrations (calibration.py) go to a per-session temporary folder, never the
-    user's cache: a test run must not leave a machine's draft-shape choice behind."""
+    """Stored calibrations (calibration.py) and ranked tokenizer merges (merge_cache.py) go to a
+    per-session temporary folder, never the user's cache: a test run must not leave a machine's
+    draft-shape choice behind, nor test what an earlier run left there."""
     import eaglespec.calibration as calibration
+    import eaglespec.tokenizer.merge_cache as merge_cache
 
     folder = tmp_path_factory.getbasetemp() / "eaglespec-cache"
     monkeypatch.setattr(calibration, "cache_dir", lambda: folder)
+    monkeypatch.setattr(merge_cache, "cache_dir", lambda: folder)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ file is absent, or else SmolLM2-135M-Instruct from the registry cache, pulled on
 llama2.c test reads ../shared beside the checkout and skips when the file is absent.
 """
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -311,6 +312,114 @@ def test_spm_merges_match_transformers(spm_meta: dict[str, Any]) -> None:
         ids = ours.encode(text, add_special=False)
         assert ids == ref.encode(text, add_special_tokens=False), text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture
+def merges_kept(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
+    """Ranked merges kept for every vocabulary size, in a fresh folder; counts the rankings."""
+    from eaglespec.tokenizer import gguf_vocab, merge_cache
+
+    monkeypatch.setattr(merge_cache, "CACHED_FROM", 0)
+    monkeypatch.setattr(merge_cache, "cache_dir", lambda: tmp_path)
+    seen = {"ranked": 0, "folder": tmp_path / "tokenizer"}
+    rank = gguf_vocab._merges_from_scores
+
+    def counted(*args: Any) -> Any:
+        seen["ranked"] += 1
+        return rank(*args)
+
+    monkeypatch.setattr(gguf_vocab, "_merges_from_scores", counted)
+    return seen
+
+
+def test_spm_merges_are_kept_and_read_back(spm_meta: dict[str, Any], merges_kept) -> None:
+    """The first build ranks the merges and keeps them; the next reads them instead of ranking,
+    and builds the very same tokenizer."""
+    first = Tokenizer.from_gguf_metadata(spm_meta)
+    assert merges_kept["ranked"] == 1 and len(list(merges_kept["folder"].iterdir())) == 1
+    again = Tokenizer.from_gguf_metadata(spm_meta)
+    assert merges_kept["ranked"] == 1  # read, not ranked
+    assert again.backend.to_str() == first.backend.to_str()
+    for text in TEXTS:
+        assert again.encode(text) == first.encode(text)
+
+
+def test_spm_merges_kept_by_content(spm_meta: dict[str, Any], merges_kept) -> None:
+    """Another score or another token is another key: never a stale list. A duplicated token
+    (the last id wins, as the BPE vocabulary has it) reads back as ranked."""
+    Tokenizer.from_gguf_metadata(spm_meta)
+    scores = list(spm_meta["tokenizer.ggml.scores"])
+    tokens = list(spm_meta["tokenizer.ggml.tokens"])
+    scores[tokens.index("▁h")], scores[tokens.index("he")] = -50.0, -0.5  # "he" now merges first
+    tokens[tokens.index("<think>")] = "he"
+    changed = {**spm_meta, "tokenizer.ggml.scores": scores, "tokenizer.ggml.tokens": tokens}
+    built = Tokenizer.from_gguf_metadata(changed)
+    assert merges_kept["ranked"] == 2 and len(list(merges_kept["folder"].iterdir())) == 2
+    assert Tokenizer.from_gguf_metadata(changed).backend.to_str() == built.backend.to_str()
+    assert merges_kept["ranked"] == 2
+    plain = Tokenizer.from_gguf_metadata(spm_meta)
+    assert built.encode("the hello") != plain.encode("the hello")  # the scores moved the merge
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "out of range"])
+def test_spm_damaged_merges_are_ranked_again(
+    spm_meta: dict[str, Any], merges_kept, damage: str
+) -> None:
+    """A damaged or foreign file is never read as merges: they are ranked again and the file is
+    rewritten whole."""
+    from eaglespec.tokenizer import merge_cache
+
+    first = Tokenizer.from_gguf_metadata(spm_meta).backend.to_str()
+    (path,) = merges_kept["folder"].iterdir()
+    blob = bytearray(path.read_bytes())
+    if damage == "flip":
+        blob[-3] ^= 0x10
+    elif damage == "truncate":
+        blob = blob[:-6]
+    elif damage == "empty":
+        blob = bytearray()
+    else:  # a well-formed file whose ids do not fit this vocabulary
+        payload = (10**6).to_bytes(4, "little") * 2
+        blob = bytearray(merge_cache.MAGIC + hashlib.sha256(payload).digest() + payload)
+    path.write_bytes(bytes(blob))
+    assert Tokenizer.from_gguf_metadata(spm_meta).backend.to_str() == first
+    assert merges_kept["ranked"] == 2
+    Tokenizer.from_gguf_metadata(spm_meta)
+    assert merges_kept["ranked"] == 2  # the rewritten file reads back
+
+
+def test_spm_merges_without_a_writable_cache(
+    spm_meta: dict[str, Any], merges_kept, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
+) -> None:
+    """A cache folder that cannot be made costs only the ranking, said on stderr; no temporary
+    file is left behind."""
+    from eaglespec.tokenizer import merge_cache
+
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setattr(merge_cache, "cache_dir", lambda: blocker)
+    built = Tokenizer.from_gguf_metadata(spm_meta)
+    assert "ranked merges not kept" in capsys.readouterr().err
+    assert built.encode("hello world") == Tokenizer.from_gguf_metadata(spm_meta).encode(
+        "hello world"
+    )
+    assert merges_kept["ranked"] == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["a file"]
+
+
+def test_spm_small_vocabularies_are_not_kept(spm_meta: dict[str, Any], tmp_path: Path) -> None:
+    """Below CACHED_FROM pieces the ranking is cheap and nothing is written."""
+    from eaglespec.tokenizer import merge_cache
+
+    assert len(spm_meta["tokenizer.ggml.tokens"]) < merge_cache.CACHED_FROM
+    Tokenizer.from_gguf_metadata(spm_meta)
+    folder = merge_cache.cache_dir() / "tokenizer"
+    assert not folder.exists() or not any(folder.glob("merges-*"))
+
+
+def test_spm_scores_of_another_length_are_named(spm_meta: dict[str, Any]) -> None:
+    scores = spm_meta["tokenizer.ggml.scores"][:-1]
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.scores has .* entries for"):
+        Tokenizer.from_gguf_metadata({**spm_meta, "tokenizer.ggml.scores": scores})
 
 
 def test_spm_chat_template(spm: Tokenizer) -> None:

@@ -6,6 +6,7 @@ All tokenization runs in the `tokenizers` library: this package only assembles i
 
   core.py           `Tokenizer`: encode/decode, chat, and its three constructors
   gguf_vocab.py     `tokenizers` backends from GGUF metadata (byte-level BPE, SentencePiece)
+  merge_cache.py    ranked SentencePiece merges kept on disk by content (large vocabularies)
   hf.py             reading a Hugging Face tokenizer folder's JSON files and chat template
   llama2c.py        llama2.c `tokenizer.bin` → GGUF-style metadata
   chat_template.py  the Jinja environment transformers renders chat templates in

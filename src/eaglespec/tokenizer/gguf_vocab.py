@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 from eaglespec.errors import ModelLoadError
+from eaglespec.tokenizer.merge_cache import cached_merges
 
 
 class TokenType(IntEnum):
@@ -183,9 +184,20 @@ def sentencepiece_backend(
 ) -> Backend:
     """SentencePiece BPE with byte fallback: merges ranked by the score of the merged piece."""
     scores = [float(s) for s in meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+    if len(scores) != len(tokens):
+        raise ModelLoadError(
+            f"{meta.get('general.name') or 'GGUF model'}: tokenizer.ggml.scores has "
+            f"{len(scores)} entries for {len(tokens)} tokens"
+        )
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = [_split_merge(m) for m in meta.get("tokenizer.ggml.merges") or ()]
-    merges = merges or _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
+    if not merges:  # ranked from the scores: kept on disk for large vocabularies
+        merges = cached_merges(
+            tokens,
+            scores,
+            vocab,
+            lambda: _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True))),
+        )
     backend = Backend(
         models.BPE(
             vocab=vocab,
