@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import time
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from gguf import GGUFValueType as V
 
 from eaglespec.errors import ModelLoadError
 from eaglespec.gguf_file import GGUFFile
-from eaglespec.model.dequant import SUPPORTED_QTYPES, dequantize
+from eaglespec.model.dequant import FLOAT_DTYPES, SUPPORTED_QTYPES, dequantize
 
 # Types gguf can quantize: their bytes come from gguf.quants.quantize of random floats.
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -139,6 +140,39 @@ def test_tensor_infos_and_load(small_gguf: tuple[Path, dict[str, Any]]) -> None:
         assert torch.equal(loaded, expected.float()), name  # bitwise
         for dtype in (torch.float16, torch.bfloat16):
             assert torch.equal(f.load(name, dtype), expected.to(dtype)), (name, dtype)
+
+
+def test_narrow_loads_decode_rows_at_a_time(
+    small_gguf: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load into fp16 or bf16 decodes a few rows at a time into the result (never the whole
+    tensor in float32 beside it) and has the bits of the whole tensor decoded and cast."""
+    import eaglespec.gguf_file as gguf_file
+
+    path, data = small_gguf
+    f = GGUFFile.open(path)
+    decoded: list[int] = []
+
+    def counted(raw: torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
+        decoded.append(prod(shape))
+        return dequantize(raw, qtype, shape)
+
+    monkeypatch.setattr(gguf_file, "dequantize", counted)
+    for name, (qtype, shape) in _tensor_specs().items():
+        if qtype not in SUPPORTED_QTYPES:
+            continue
+        expected = torch.from_numpy(gguf.quants.dequantize(data[name], qtype).reshape(shape))
+        for chunk in (1, shape[-1] + 1, 10**9):  # one row, one row again, the whole tensor
+            monkeypatch.setattr(gguf_file, "LOAD_CHUNK_VALUES", chunk)
+            for dtype in (torch.float16, torch.bfloat16):
+                decoded.clear()
+                loaded = f.load(name, dtype)
+                assert loaded.dtype == dtype and loaded.shape == shape
+                assert torch.equal(loaded, expected.to(dtype)), (name, dtype, chunk)
+                if FLOAT_DTYPES.get(qtype) != dtype:
+                    rows = prod(shape) // shape[-1]
+                    per_call = max(shape[-1], min(chunk // shape[-1], rows) * shape[-1])
+                    assert max(decoded) == per_call and sum(decoded) == prod(shape), name
 
 
 def test_matches_gguf_reader(small_gguf: tuple[Path, dict[str, Any]]) -> None:

@@ -146,6 +146,26 @@ def test_8bit_codes_are_a_q8_0_tensors_own() -> None:
     assert torch.equal(scales, d)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fitting_and_packing_in_row_pieces_give_the_whole_matrix_bytes(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loads fit and pack a large matrix FIT_VALUES codes at a time (their float32 temporaries
+    stay small): the pieces joined are the bytes of the whole matrix done at once, whatever the
+    piece size, for a row count that ends in a partial block."""
+    w = torch.randn(16 * 9 + 5, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    whole = w4a8.fit_fields(w, bits)
+    layer = w4a8.from_fields(whole, None)
+    for values in (1, 96 * 16, 96 * 16 * 3 + 7):  # a block at a time (also below one), three
+        monkeypatch.setattr(w4a8, "FIT_VALUES", values)
+        pieces = w4a8.fit_fields(w, bits)
+        assert torch.equal(pieces.codes, whole.codes) and torch.equal(pieces.scales, whole.scales)
+        assert (pieces.offsets is None) == (bits == 8)
+        if pieces.offsets is not None:
+            assert torch.equal(pieces.offsets, whole.offsets)
+        assert torch.equal(w4a8.from_fields(pieces, None).weight, layer.weight), values
+
+
 def test_int8_activations_cost_about_nothing_next_to_the_int4_weights() -> None:
     """Against the dense layer, the error the int8 activation codes add (w4a8's output against
     its own 4-bit weights times the fp32 activations) is under a quarter of the weights' own

@@ -113,6 +113,9 @@ from eaglespec.model.quant import INT4_GROUP, _check_cpu, _QuantLinear, int4_cod
 
 GROUP = INT4_GROUP  # int4's groups: the codes are int4_codes'
 ROWS = 16  # output rows per weight block: one per int32 lane of a 512-bit register
+# Codes a fit or a packing takes at a time (loads fit and pack a matrix in row pieces, the same
+# bytes as whole: both work per group and per block of ROWS rows).
+FIT_VALUES = 1 << 22
 
 
 @functools.cache
@@ -160,12 +163,29 @@ def pack(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     A group record: 4 loads of 64 bytes (lane i's 4 bytes of load L hold row i's features
     8L..8L+3 in the low nibbles and 8L+4..8L+7 in the high ones), the 16 rows' fp16 scales, then
     their fp16 minimums."""
-    N, K = q.shape
-    ng = K // GROUP
+    return _by_blocks(_pack_rows, q, s, mn)
+
+
+def _pack_rows(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    ng = q.shape[1] // GROUP
     b = _pad_rows(q.to(torch.uint8)).view(-1, ROWS, ng, 4, 2, 4)  # (block, row, g, L, nib, byte)
     b = b[:, :, :, :, 0] | (b[:, :, :, :, 1] << 4)  # (block, row, group, L, byte)
     codes = b.permute(0, 2, 3, 1, 4).reshape(-1, ng, 4 * ROWS * 4)  # (block, group, 256)
-    return torch.cat([codes, _f16_bytes(s), _f16_bytes(mn)], 2).reshape(-1).contiguous()
+    return torch.cat([codes, _f16_bytes(s), _f16_bytes(mn)], 2).reshape(-1)
+
+
+def _by_blocks(
+    fn: Callable[..., torch.Tensor], q: torch.Tensor, *per_row: torch.Tensor
+) -> torch.Tensor:
+    """fn's packed bytes of (N, K) codes and their per-row fields, made a whole number of
+    ROWS-row blocks at a time (about FIT_VALUES codes) and joined: each block's bytes are one
+    contiguous run, so the pieces joined are the whole matrix packed at once, without its
+    temporaries (several bytes a code) held whole."""
+    step = max(ROWS, FIT_VALUES // q.shape[1] // ROWS * ROWS)
+    parts = [
+        fn(q[r : r + step], *(t[r : r + step] for t in per_row)) for r in range(0, q.shape[0], step)
+    ]
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
 
 def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -180,11 +200,14 @@ def pack8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     1-D uint8 of ceil(N/16) * K/G * 544 (csrc/w4a8.cpp's header has the layout): per block of
     ROWS output rows and group, 8 steps of 16 lanes x 4 bytes (lane i of step t: row i's
     features 4t..4t+3, stored as q + 128), then the 16 rows' fp16 scales."""
-    N, K = q.shape
-    ng = K // GROUP
+    return _by_blocks(_pack8_rows, q, s)
+
+
+def _pack8_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    ng = q.shape[1] // GROUP
     u = (_pad_rows(q.to(torch.int16)) + 128).to(torch.uint8).view(-1, ROWS, ng, 8, 4)
     codes = u.permute(0, 2, 3, 1, 4).reshape(-1, ng, 8 * ROWS * 4)  # (block, group, 512)
-    return torch.cat([codes, _f16_bytes(s)], 2).reshape(-1).contiguous()
+    return torch.cat([codes, _f16_bytes(s)], 2).reshape(-1)
 
 
 def unpack(w: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, ...]:
@@ -294,7 +317,16 @@ def fit_fields(w: torch.Tensor, bits: int, *, fit_spans: bool = True) -> BlockFi
     """(N, K) weights -> the fields from_linear would pack for them at `bits`: 4 bits through
     int4_group_codes (`fit_spans`: quant.int4_codes' search for groups on a coarser grid, which
     only weights from 4-bit blocks have), 8 through int8_group_codes. Per group of 32, so rows
-    fitted apart are the rows fitted together."""
+    fitted apart are the rows fitted together: fitted FIT_VALUES at a time, whose float32
+    temporaries stay small (Qwen2.5-Coder-1.5B's 151,936 x 1,536 output head fitted whole held
+    about 2 GB of them, the peak of its load)."""
+    step = max(1, FIT_VALUES // w.shape[1])
+    return BlockFields.stack_rows(
+        [_fit_rows(w[r : r + step], bits, fit_spans) for r in range(0, w.shape[0], step)]
+    )
+
+
+def _fit_rows(w: torch.Tensor, bits: int, fit_spans: bool) -> BlockFields:
     if bits == 8:
         q8, s8 = int8_group_codes(w)
         return BlockFields(8, q8, s8, None)
