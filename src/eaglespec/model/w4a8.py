@@ -409,9 +409,10 @@ class W4A8Linear(_QuantLinear):
         """int4's codes and scales (quant.int4_codes; see the module doc on exactness), with the
         group minimum itself as the offset."""
         _check_shape(*linear.weight.shape)
-        q, s, lo = int4_group_codes(linear.weight.detach())
+        fields = fit_fields(linear.weight.detach(), 4)  # in pieces: a large layer's temporaries
+        assert fields.offsets is not None
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, s, lo, bias)
+        return cls(fields.codes, fields.scales, fields.offsets, bias)
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) fp32: q * s + mn, the weight the kernel multiplies activations by."""
@@ -445,9 +446,9 @@ class W8A8Linear(_QuantLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
         _check_shape(*linear.weight.shape)
-        q, s = int8_group_codes(linear.weight.detach())
+        fields = fit_fields(linear.weight.detach(), 8)  # in pieces: a large head's temporaries
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, s, bias)
+        return cls(fields.codes, fields.scales, bias)
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) fp32: q * s, the weight the kernel multiplies activations by."""
