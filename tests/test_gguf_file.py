@@ -18,7 +18,7 @@ from gguf import GGUFValueType as V
 
 from eaglespec.errors import ModelLoadError
 from eaglespec.gguf_file import GGUFFile
-from eaglespec.model.dequant import FLOAT_DTYPES, SUPPORTED_QTYPES, dequantize
+from eaglespec.model.dequant import SUPPORTED_QTYPES, dequantize
 
 # Types gguf can quantize: their bytes come from gguf.quants.quantize of random floats.
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -142,37 +142,51 @@ def test_tensor_infos_and_load(small_gguf: tuple[Path, dict[str, Any]]) -> None:
             assert torch.equal(f.load(name, dtype), expected.to(dtype)), (name, dtype)
 
 
-def test_narrow_loads_decode_rows_at_a_time(
+def test_narrow_loads_decode_a_chunk_at_a_time(
     small_gguf: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A load into fp16 or bf16 decodes a few rows at a time into the result (never the whole
-    tensor in float32 beside it) and has the bits of the whole tensor decoded and cast."""
-    import eaglespec.gguf_file as gguf_file
+    """A load into fp16 or bf16 decodes a chunk of blocks at a time into the result (never the
+    whole tensor in float32 beside it) and has the bits of the whole tensor decoded and cast."""
+    from eaglespec.model import dequant
 
     path, data = small_gguf
     f = GGUFFile.open(path)
     decoded: list[int] = []
+    for qtype, fn in list(dequant._BLOCK_DEQUANT.items()):
 
-    def counted(raw: torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
-        decoded.append(prod(shape))
-        return dequantize(raw, qtype, shape)
+        def counted(blocks: torch.Tensor, fn: Any = fn) -> torch.Tensor:
+            out = fn(blocks)
+            decoded.append(out.numel())
+            return out
 
-    monkeypatch.setattr(gguf_file, "dequantize", counted)
+        monkeypatch.setitem(dequant._BLOCK_DEQUANT, qtype, counted)
+    made: list[tuple[int, torch.dtype]] = []  # (values, dtype) of every torch.empty
+    empty = torch.empty
+
+    def recorded(*size: Any, dtype: torch.dtype | None = None, **kw: Any) -> torch.Tensor:
+        out = empty(*size, dtype=dtype, **kw)
+        made.append((out.numel(), out.dtype))
+        return out
+
+    monkeypatch.setattr(torch, "empty", recorded)
     for name, (qtype, shape) in _tensor_specs().items():
         if qtype not in SUPPORTED_QTYPES:
             continue
         expected = torch.from_numpy(gguf.quants.dequantize(data[name], qtype).reshape(shape))
-        for chunk in (1, shape[-1] + 1, 10**9):  # one row, one row again, the whole tensor
-            monkeypatch.setattr(gguf_file, "LOAD_CHUNK_VALUES", chunk)
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        for chunk in (1, block + 1, 10**9):  # one block, one block again, the whole tensor
+            monkeypatch.setattr(dequant, "_CHUNK_VALUES", chunk)
             for dtype in (torch.float16, torch.bfloat16):
                 decoded.clear()
+                made.clear()
                 loaded = f.load(name, dtype)
                 assert loaded.dtype == dtype and loaded.shape == shape
                 assert torch.equal(loaded, expected.to(dtype)), (name, dtype, chunk)
-                if FLOAT_DTYPES.get(qtype) != dtype:
-                    rows = prod(shape) // shape[-1]
-                    per_call = max(shape[-1], min(chunk // shape[-1], rows) * shape[-1])
+                if qtype in dequant._BLOCK_DEQUANT:
+                    per_call = min(prod(shape), max(block, chunk // block * block))
                     assert max(decoded) == per_call and sum(decoded) == prod(shape), name
+                    if per_call < prod(shape):  # no float32 result made beside the narrow one
+                        assert (prod(shape), torch.float32) not in made, name
 
 
 def test_matches_gguf_reader(small_gguf: tuple[Path, dict[str, Any]]) -> None:

@@ -37,8 +37,6 @@ from eaglespec.model.dequant import FLOAT_DTYPES, SUPPORTED_QTYPES, dequantize
 __all__ = ["GGUFFile", "GGUFTensorInfo"]
 
 SUPPORTED_VERSIONS = (2, 3)
-# Values a load into a narrower dtype decodes at a time (16 MB of float32).
-LOAD_CHUNK_VALUES = 1 << 22
 
 # struct format character of each fixed-size value type (all little-endian)
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
@@ -239,21 +237,7 @@ class GGUFFile:
         if FLOAT_DTYPES.get(info.qtype) == dtype:
             # stored as the requested dtype already: one copy, no float32 round-trip
             return raw.view(dtype).clone().view(info.shape)
-        if dtype == torch.float32:
-            return dequantize(raw, info.qtype, info.shape)
-        # Rows at a time into the result: never the whole tensor in float32 beside it (Gemma-3's
-        # 262,144 x 640 embedding would hold 671 MB of float32 to make 335 MB of bf16). Values
-        # are decoded one by one, so the result has the bits of the whole tensor's `.to(dtype)`.
-        cols = info.shape[-1] if info.shape else 1
-        rows = info.nbytes and prod(info.shape) // cols
-        out = torch.empty(info.shape, dtype=dtype)
-        flat, row_bytes = out.view(rows, cols), info.nbytes // max(rows, 1)
-        step = max(1, LOAD_CHUNK_VALUES // cols)
-        for r in range(0, rows, step):
-            n = min(step, rows - r)
-            chunk = raw[r * row_bytes : (r + n) * row_bytes]
-            flat[r : r + n] = dequantize(chunk, info.qtype, (n, cols))
-        return out
+        return dequantize(raw, info.qtype, info.shape, dtype)  # chunked: no whole float32 copy
 
 
 def _read_tensor_info(cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:

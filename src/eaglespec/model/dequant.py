@@ -190,9 +190,16 @@ SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = frozenset(FLOAT_DTYPES) | fr
 
 
 def dequantize(
-    raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]
+    raw: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Decode ggml bytes to a new float32 tensor of `shape` (bitwise equal to gguf's numpy).
+    """Decode ggml bytes to a new tensor of `shape` (bitwise equal to gguf's numpy), in float32
+    or cast to `dtype`. Block types are decoded a chunk at a time into the result, so a narrower
+    `dtype` never holds the whole tensor in float32 beside it (Gemma-3's 262,144 x 640 embedding
+    would make 671 MB of float32 for 335 MB of bf16); values are decoded one by one, so the
+    result has the bits of the whole float32 tensor's `.to(dtype)`.
 
     raw: uint8, the tensor's bytes (rows of blocks; ggml's innermost dim is `shape[-1]`).
     Raises ValueError for a type outside SUPPORTED_QTYPES or a byte count that does not match.
@@ -212,20 +219,22 @@ def dequantize(
         raw = raw.clone()  # viewing bytes as fp16/fp32 needs an aligned start
     if qtype == GGMLQuantizationType.BF16:
         # bf16 is the top half of an fp32: shift into place, as the reference does (keeps NaNs).
-        return (raw.view(torch.int16).to(torch.int32) << 16).view(torch.float32).view(shape)
+        return (
+            (raw.view(torch.int16).to(torch.int32) << 16).view(torch.float32).view(shape).to(dtype)
+        )
     if qtype == GGMLQuantizationType.F16:
-        return raw.view(torch.float16).float().view(shape)
+        return raw.view(torch.float16).float().view(shape).to(dtype)
     if qtype == GGMLQuantizationType.F32:
-        # clone() so the result never aliases the caller's bytes (often a file mapping).
-        return raw.view(torch.float32).clone().view(shape)
+        # a copy so the result never aliases the caller's bytes (often a file mapping).
+        return raw.view(torch.float32).view(shape).to(dtype, copy=True)
 
     n_blocks = numel // block_size
     blocks = raw.view(n_blocks, type_size)  # (n_blocks, type_size)
     fn = _BLOCK_DEQUANT[qtype]
     chunk = max(1, _CHUNK_VALUES // block_size)
     if n_blocks <= chunk:
-        return fn(blocks).view(shape)
-    out = torch.empty(n_blocks, block_size, dtype=torch.float32)
+        return fn(blocks).view(shape).to(dtype)
+    out = torch.empty(n_blocks, block_size, dtype=dtype)
     for start in range(0, n_blocks, chunk):
         out[start : start + chunk] = fn(blocks[start : start + chunk])
     return out.view(shape)
