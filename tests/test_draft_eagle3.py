@@ -683,12 +683,13 @@ def test_zero_draft_catch_ups_are_fed_together_when_drafting_resumes() -> None:
     for tokens, aux in steps:
         deferred = proposer.catch_up(deferred, tokens, aux, [1, 1])
         eager = proposer._advance(eager.cache, tokens, aux, [1, 1])  # one head step each
-    assert deferred.pending_tokens is not None and deferred.pending_tokens.shape == (2, 3)
+    assert [p.tokens.shape for p in deferred.pending] == [(2, 1)] * 3
     assert deferred.cache.lengths == [4, 3]  # nothing fed yet
     kept = proposer.select_rows(deferred, [1])
-    assert kept.pending_tokens is not None and kept.pending_tokens.shape == (1, 3)
+    assert [p.tokens.shape for p in kept.pending] == [(1, 1)] * 3
+    assert torch.equal(kept.pending[2].aux[1], deferred.pending[2].aux[1][1:])
     drafts = proposer.propose(deferred, 2)  # feeds the three pending tokens first
-    assert deferred.pending_tokens is None and deferred.cache.lengths == eager.cache.lengths
+    assert not deferred.pending and deferred.cache.lengths == eager.cache.lengths
     torch.testing.assert_close(deferred.logits, eager.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(deferred.prenorm, eager.prenorm, atol=1e-4, rtol=1e-4)
     for b, n in enumerate(eager.cache.lengths):  # committed entries (propose left scratch past)
@@ -697,4 +698,4 @@ def test_zero_draft_catch_ups_are_fed_together_when_drafting_resumes() -> None:
             torch.testing.assert_close(got[:, b, :, :n], want[:, b, :, :n], atol=1e-4, rtol=1e-4)
     assert torch.equal(drafts, proposer.propose(eager, 2))
     merged = proposer.concat([kept, started()])  # a pending part is fed before the concat
-    assert merged.pending_tokens is None and merged.cache.lengths == [6, 4, 3]
+    assert not merged.pending and merged.cache.lengths == [6, 4, 3]
