@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eaglespec import engine
 from eaglespec.config import SamplingParams
 from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import DraftState, Eagle3Proposer
@@ -57,17 +58,62 @@ def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
     batch = prefill.finish().batch
     out = speculate_round(target, proposer, batch, num_draft=4, tree=None)
     assert out.accepted == right
-    for row, (prompt, g) in enumerate(zip(prompts, greedy, strict=True)):
-        seq = prompt + g[: 1 + right[row]]  # prompt, first root, accepted drafts
+    for row, g in enumerate(greedy):
         assert out.tokens[row] == g[1 : 2 + right[row]]  # accepted + next root
+    # the sequences: prompt, first root, accepted drafts; then each row's next root
+    _assert_caches_prefill(target, head, batch, prompts, greedy, [1 + r for r in right])
+
+
+def test_plain_rounds_then_a_drafting_round_leave_both_caches_as_a_prefill(
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rounds that draft nothing (greedy rows, no logprobs) take the plain decoding step, not
+    the verification: their tokens are the greedy ones, and the head catch-ups they leave pending
+    are fed by the next drafting round, after which both caches again equal a fresh prefill."""
+    prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
+    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
+    greedy = [o.token_ids for o in plain]
+    head = random_eagle3(target, seed=1)
+    right = [2, 1]
+    proposer = _HalfRightProposer(head, [g[4:] for g in greedy], right)  # after three roots
+    seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
+    prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
+    prefill.step()
+    batch = prefill.finish().batch
+    verified: list[int] = []
+    real = engine._verify
+    monkeypatch.setattr(engine, "_verify", lambda *a: verified.append(1) or real(*a))
+    for j in range(3):
+        out = speculate_round(target, proposer, batch, num_draft=0, tree=None)
+        assert out.tokens == [[g[1 + j]] for g in greedy] and out.accepted == [0, 0]
+        assert out.sources == [["target"], ["target"]] and out.drafted == 0
+    assert not verified and len(batch.draft.pending) == 3
+    assert batch.cache.lengths == [len(p) + 3 for p in prompts]
+    out = speculate_round(target, proposer, batch, num_draft=3, tree=None)
+    assert verified == [1] and out.accepted == right and not batch.draft.pending
+    _assert_caches_prefill(target, head, batch, prompts, greedy, [4 + r for r in right])
+
+
+def _assert_caches_prefill(
+    target: Transformer,
+    head: torch.nn.Module,
+    batch: engine.SpecBatch,
+    prompts: list[list[int]],
+    greedy: list[list[int]],
+    taken: list[int],  # per row: greedy tokens in the target's cache after the prompt
+) -> None:
+    """Both caches of `batch` equal a fresh prefill of each row's prompt + its first `taken`
+    greedy tokens (the head's: the pairs (x_{p+1}, g_p), x_n being the next root)."""
+    for row, (prompt, g) in enumerate(zip(prompts, greedy, strict=True)):
+        seq = prompt + g[: taken[row]]
         n = len(seq)
         fresh = target.new_cache(1, 32)
         ref = target(torch.tensor([seq]), torch.arange(n)[None], fresh, capture=CAPTURE)
         assert batch.cache.lengths[row] == n
         torch.testing.assert_close(batch.cache.k[:, row, :, :n], fresh.k[:, 0, :, :n], **TOL)
         torch.testing.assert_close(batch.cache.v[:, row, :, :n], fresh.v[:, 0, :, :n], **TOL)
-        # The head: pairs (x_{p+1}, g_p) for p < n, x_n being the next root.
-        nxt = torch.tensor([seq[1:] + [g[1 + right[row]]]])
+        nxt = torch.tensor([seq[1:] + [g[taken[row]]]])
         head_cache = head.new_cache(1, 32)
         hd = head(nxt, head.combine(ref.hidden), torch.arange(n)[None], head_cache)
         state = batch.draft
