@@ -130,3 +130,24 @@ def test_draft_min_prob_is_checked_and_reported(
     assert "--draft-min-prob" in capsys.readouterr().err
     assert main([*base, "--draft", "random", "--draft-min-prob", "0.2", "--no-compare"]) == 0
     assert "chains stop below path probability 0.2" in capsys.readouterr().err
+
+
+def test_draft_tokens_threads_and_tree_that_cannot_run_name_the_flag(
+    tiny_hf_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A negative --draft-tokens, 0 under adaptive speculation (which would silently draft 1),
+    --threads below 1 and a tree of depth 0 are one-line errors naming what is wrong, not a
+    traceback or a silently changed setting; --draft-tokens 0 with speculation on runs."""
+    base = ["generate", "--model", str(tiny_hf_folder), "--max-tokens", "2", "--draft", "random"]
+    assert main([*base, "--draft-tokens", "-2", "Hi"]) == 2
+    assert "--draft-tokens must be at least 0, got -2" in capsys.readouterr().err
+    assert main([*base, "--draft-tokens", "0", "Hi"]) == 2
+    assert "adaptive speculation picks chains of 0 to --draft-tokens" in capsys.readouterr().err
+    assert main([*base, "--draft-tokens", "0", "--speculation", "on", "--no-compare", "Hi"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main([*base, "--threads", "-2", "Hi"])
+    assert exit_.value.code == 2
+    assert "--threads: at least 1, got -2" in capsys.readouterr().err
+    assert main([*base, "--tree", "0,4,16", "Hi"]) == 2
+    assert "tree depth 0, top_k 4: both must be at least 1" in capsys.readouterr().err

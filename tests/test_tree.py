@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eaglespec.config import TreeConfig
+from eaglespec.errors import InvalidRequestError
 from eaglespec.tree import build_tree, chain_tree, graft_chain, verify_positions
 
 
@@ -131,3 +133,20 @@ def test_graft_refuses_sampled_drafts() -> None:
     chain = chain_tree(torch.tensor([1]), torch.tensor([[2]]), draft_probs=torch.ones(1, 2, 4))
     with pytest.raises(ValueError, match="deterministic"):
         graft_chain(chain, torch.tensor([[2, 3]]), 1)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((0, 4, 16), "tree depth 0, top_k 4: both must be at least 1"),
+        ((3, 0, 4), "tree depth 3, top_k 0: both must be at least 1"),
+        ((2, 2, 7), "num_nodes must be in [1, 6], got 7"),
+        ((2, 2, 0), "num_nodes must be in [1, 6], got 0"),
+    ],
+)
+def test_a_tree_shape_that_cannot_be_built_names_its_problem(
+    shape: tuple[int, int, int], message: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        TreeConfig(*shape)
+    assert message in str(err.value)

@@ -33,6 +33,17 @@ def int_list(text: str, flag: str) -> list[int]:
         raise InvalidRequestError(f"{flag} takes comma-separated integers, got '{text}'") from None
 
 
+def thread_count(text: str) -> int:
+    """--threads: a positive integer (argparse names the flag in its error)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer, got '{text}'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {n}")
+    return n
+
+
 def tree_config(text: str, flag: str) -> TreeConfig:
     """'4,4,16' -> TreeConfig(depth=4, top_k=4, num_nodes=16); anything else names `flag`."""
     values = int_list(text, flag)
@@ -77,7 +88,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "in seconds) or full (the whole step; fastest, but minutes of compiling per run: 5-15 "
         "for SmolLM2 and its head on 2 cores)",
     )
-    p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=thread_count, help="CPU threads (default: torch's choice)")
 
 
 def add_speculation_args(p: argparse.ArgumentParser, *, default_method: str = "none") -> None:

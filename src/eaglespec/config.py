@@ -259,8 +259,12 @@ class TreeConfig:
     num_nodes: int  # draft tokens kept after the global rerank (root excluded)
 
     def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1:
+            raise InvalidRequestError(
+                f"tree depth {self.depth}, top_k {self.top_k}: both must be at least 1"
+            )
         most = self.top_k + (self.depth - 1) * self.top_k**2
-        if self.depth < 1 or self.top_k < 1 or not 1 <= self.num_nodes <= most:
+        if not 1 <= self.num_nodes <= most:
             raise InvalidRequestError(
                 f"tree depth {self.depth}, top_k {self.top_k}: num_nodes must be in [1, {most}], "
                 f"got {self.num_nodes}"

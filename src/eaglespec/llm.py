@@ -22,7 +22,7 @@ from eaglespec.methods import (
 )
 from eaglespec.model.llama import Transformer, check_compile_mode
 from eaglespec.model.loader import LoadedModel, load_model
-from eaglespec.policy import DraftChoice, DraftPolicy, ScriptedDraft
+from eaglespec.policy import DraftChoice, DraftPolicy, ScriptedDraft, check_policy_args
 from eaglespec.registry import DEFAULT_MODEL, resolve_model
 from eaglespec.requests import RequestOutput, StreamEvent, collect_outputs
 from eaglespec.tokenizer import Tokenizer
@@ -89,6 +89,7 @@ class LLM:
         below it (draft/proposer.py)."""
         method, draft, lookup_tokens = resolve_method(model, method, draft, lookup_tokens)
         draft_min_prob = check_min_prob(resolve_min_prob(method, draft_min_prob))  # before loads
+        check_policy_args(speculation, num_draft if method != "none" else 1, tree)
         self.loaded: LoadedModel = load_model(
             resolve_model(model, progress=progress), dtype=dtype, device=device, quant=quant
         )

@@ -266,10 +266,7 @@ def make_policy(
     tokens, AdaptiveDraft's `measure_tokens`, and no margin over the zero-draft arm, which then
     drafts too). `gated`: the proposer drafts fewer tokens than a chain arm asks where it doubts
     them (Eagle3Proposer's min_prob), so an arm's tokens are measured too, not modelled."""
-    if mode not in SPECULATION_MODES:
-        raise InvalidRequestError(
-            f"unknown speculation mode '{mode}' (choose from {', '.join(SPECULATION_MODES)})"
-        )
+    check_policy_args(mode, num_draft if has_draft else 1, tree)
     if mode == "off" or not has_draft:
         return FixedDraft(DraftChoice(0))
     if mode == "on":
@@ -277,6 +274,21 @@ def make_policy(
     margin = 0.0 if grafts else PLAIN_MARGIN
     measure = grafts or gated
     return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=measure, margin=margin)
+
+
+def check_policy_args(mode: str, num_draft: int, tree: TreeConfig | None) -> None:
+    """An error naming the flag where the speculation mode and draft length cannot be run."""
+    if mode not in SPECULATION_MODES:
+        raise InvalidRequestError(
+            f"unknown speculation mode '{mode}' (choose from {', '.join(SPECULATION_MODES)})"
+        )
+    if num_draft < 0:
+        raise InvalidRequestError(f"--draft-tokens must be at least 0, got {num_draft}")
+    if mode == "adaptive" and num_draft == 0 and tree is None:
+        raise InvalidRequestError(
+            "adaptive speculation picks chains of 0 to --draft-tokens drafts a round: give at "
+            "least 1 (or --speculation off to decode plainly)"
+        )
 
 
 def _bucket(batch: int) -> int:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eaglespec.cliargs import int_list
+from eaglespec.cliargs import int_list, thread_count
 from eaglespec.errors import InvalidRequestError
 from eaglespec.registry import DEFAULT_MODEL
 from eaglespec.train.answering import BUDGET, MAX_ROWS
@@ -210,7 +210,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu", help="cpu or cuda (runs under torchrun too)")
-    g.add_argument("--threads", type=int, help="CPU threads")
+    g.add_argument("--threads", type=thread_count, help="CPU threads")
     g = p.add_argument_group("held-out evaluation")
     g.add_argument("--heldout", type=float, default=0.02, help="share of conversations held out")
     g.add_argument("--eval-prompts", type=int, default=24)
