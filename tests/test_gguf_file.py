@@ -146,20 +146,22 @@ def test_narrow_loads_decode_a_chunk_at_a_time(
     small_gguf: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A load into fp16 or bf16 decodes a chunk of blocks at a time into the result (never the
-    whole tensor in float32 beside it) and has the bits of the whole tensor decoded and cast."""
+    whole tensor in float32 beside it), plain float types too (an F16 GGUF into bf16), and has
+    the bits of the whole tensor decoded and cast."""
     from eaglespec.model import dequant
 
     path, data = small_gguf
     f = GGUFFile.open(path)
     decoded: list[int] = []
-    for qtype, fn in list(dequant._BLOCK_DEQUANT.items()):
+    for table in (dequant._BLOCK_DEQUANT, dequant._PLAIN_DEQUANT):
+        for qtype, fn in list(table.items()):
 
-        def counted(blocks: torch.Tensor, fn: Any = fn) -> torch.Tensor:
-            out = fn(blocks)
-            decoded.append(out.numel())
-            return out
+            def counted(blocks: torch.Tensor, fn: Any = fn) -> torch.Tensor:
+                out = fn(blocks)
+                decoded.append(out.numel())
+                return out
 
-        monkeypatch.setitem(dequant._BLOCK_DEQUANT, qtype, counted)
+            monkeypatch.setitem(table, qtype, counted)
     made: list[tuple[int, torch.dtype]] = []  # (values, dtype) of every torch.empty
     empty = torch.empty
 
@@ -182,7 +184,7 @@ def test_narrow_loads_decode_a_chunk_at_a_time(
                 loaded = f.load(name, dtype)
                 assert loaded.dtype == dtype and loaded.shape == shape
                 assert torch.equal(loaded, expected.to(dtype)), (name, dtype, chunk)
-                if qtype in dequant._BLOCK_DEQUANT:
+                if dequant.FLOAT_DTYPES.get(qtype) != dtype:  # else stored as asked: one copy
                     per_call = min(prod(shape), max(block, chunk // block * block))
                     assert max(decoded) == per_call and sum(decoded) == prod(shape), name
                     if per_call < prod(shape):  # no float32 result made beside the narrow one

@@ -177,6 +177,17 @@ _BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor
     GGMLQuantizationType.Q6_K: _q6_k,
 }
 
+# Types stored as plain floats, as blocks of one value: (n, type_size) bytes -> (n, 1) float32,
+# never aliasing the bytes (often a file mapping). bf16 is the top half of an fp32: shifted into
+# place, as the reference does (keeps NaNs).
+_PLAIN_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLQuantizationType.F32: lambda b: b.view(torch.float32).clone(),
+    GGMLQuantizationType.F16: lambda b: b.view(torch.float16).float(),
+    GGMLQuantizationType.BF16: lambda b: (b.view(torch.int16).to(torch.int32) << 16).view(
+        torch.float32
+    ),
+}
+
 # Types stored as plain floats: their torch dtype.
 FLOAT_DTYPES: dict[GGMLQuantizationType, torch.dtype] = {
     GGMLQuantizationType.F32: torch.float32,
@@ -196,7 +207,7 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Decode ggml bytes to a new tensor of `shape` (bitwise equal to gguf's numpy), in float32
-    or cast to `dtype`. Block types are decoded a chunk at a time into the result, so a narrower
+    or cast to `dtype`. Every type is decoded a chunk at a time into the result, so a narrower
     `dtype` never holds the whole tensor in float32 beside it (Gemma-3's 262,144 x 640 embedding
     would make 671 MB of float32 for 335 MB of bf16); values are decoded one by one, so the
     result has the bits of the whole float32 tensor's `.to(dtype)`.
@@ -217,20 +228,9 @@ def dequantize(
     raw = raw.contiguous().view(-1)
     if raw.storage_offset() % 4 != 0:
         raw = raw.clone()  # viewing bytes as fp16/fp32 needs an aligned start
-    if qtype == GGMLQuantizationType.BF16:
-        # bf16 is the top half of an fp32: shift into place, as the reference does (keeps NaNs).
-        return (
-            (raw.view(torch.int16).to(torch.int32) << 16).view(torch.float32).view(shape).to(dtype)
-        )
-    if qtype == GGMLQuantizationType.F16:
-        return raw.view(torch.float16).float().view(shape).to(dtype)
-    if qtype == GGMLQuantizationType.F32:
-        # a copy so the result never aliases the caller's bytes (often a file mapping).
-        return raw.view(torch.float32).view(shape).to(dtype, copy=True)
-
     n_blocks = numel // block_size
     blocks = raw.view(n_blocks, type_size)  # (n_blocks, type_size)
-    fn = _BLOCK_DEQUANT[qtype]
+    fn = _BLOCK_DEQUANT.get(qtype) or _PLAIN_DEQUANT[qtype]
     chunk = max(1, _CHUNK_VALUES // block_size)
     if n_blocks <= chunk:
         return fn(blocks).view(shape).to(dtype)
