@@ -4,6 +4,8 @@ always rejected) and with an oracle proposer (drafts almost always accepted)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from eaglespec import LLM, SamplingParams
@@ -117,3 +119,22 @@ def test_auto_precision_is_the_ggufs_own_and_lossless(lookup_tokens: int) -> Non
         spec = auto.generate(prompts, params, policy=FixedDraft(choice))
         assert [o.token_ids for o in spec] == plain
         assert sum(o.stats.accepted_tokens for o in spec) > 0
+    # rounds that draft nothing: the plain step (engine._plain_round) wherever lookup grafts
+    # nothing, with the head's catch-ups left pending; the same tokens
+    from eaglespec import engine
+
+    plain_rounds = [0]
+    real = engine._plain_round
+
+    def counted(*args: Any) -> Any:
+        plain_rounds[0] += 1
+        return real(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "_plain_round", counted)
+        spec = auto.generate(prompts, params, policy=FixedDraft(DraftChoice(0)))
+    assert [o.token_ids for o in spec] == plain
+    rounds = max(o.stats.rounds for o in spec)  # the batch's rounds (each row counts its own)
+    assert 0 < plain_rounds[0] <= rounds
+    if lookup_tokens == 0:
+        assert plain_rounds[0] == rounds
