@@ -39,8 +39,9 @@ class Timed:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             out = inner(*args, **kwargs)
-            self.seconds[key(*args)].append(time.perf_counter() - start)
-            self.calls.append(self.seconds[key(*args)][-1])
+            elapsed = time.perf_counter() - start
+            self.seconds[key(*args)].append(elapsed)
+            self.calls.append(elapsed)
             return out
 
         setattr(cls, name, timed)
