@@ -89,7 +89,7 @@ class LLM:
         below it (draft/proposer.py)."""
         method, draft, lookup_tokens = resolve_method(model, method, draft, lookup_tokens)
         draft_min_prob = check_min_prob(resolve_min_prob(method, draft_min_prob))  # before loads
-        check_policy_args(speculation, num_draft if method != "none" else 1, tree)
+        check_policy_args(speculation, num_draft, tree, has_draft=method != "none")
         self.loaded: LoadedModel = load_model(
             resolve_model(model, progress=progress), dtype=dtype, device=device, quant=quant
         )

@@ -266,7 +266,7 @@ def make_policy(
     tokens, AdaptiveDraft's `measure_tokens`, and no margin over the zero-draft arm, which then
     drafts too). `gated`: the proposer drafts fewer tokens than a chain arm asks where it doubts
     them (Eagle3Proposer's min_prob), so an arm's tokens are measured too, not modelled."""
-    check_policy_args(mode, num_draft if has_draft else 1, tree)
+    check_policy_args(mode, num_draft, tree, has_draft=has_draft)
     if mode == "off" or not has_draft:
         return FixedDraft(DraftChoice(0))
     if mode == "on":
@@ -276,12 +276,17 @@ def make_policy(
     return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=measure, margin=margin)
 
 
-def check_policy_args(mode: str, num_draft: int, tree: TreeConfig | None) -> None:
-    """An error naming the flag where the speculation mode and draft length cannot be run."""
+def check_policy_args(
+    mode: str, num_draft: int, tree: TreeConfig | None, *, has_draft: bool
+) -> None:
+    """An error naming the flag where the speculation mode and draft length cannot be run (the
+    draft length only matters with a draft)."""
     if mode not in SPECULATION_MODES:
         raise InvalidRequestError(
             f"unknown speculation mode '{mode}' (choose from {', '.join(SPECULATION_MODES)})"
         )
+    if not has_draft:
+        return
     if num_draft < 0:
         raise InvalidRequestError(f"--draft-tokens must be at least 0, got {num_draft}")
     if mode == "adaptive" and num_draft == 0 and tree is None:
