@@ -81,9 +81,9 @@ def test_plain_rounds_then_a_drafting_round_leave_both_caches_as_a_prefill(
     prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
     prefill.step()
     batch = prefill.finish().batch
-    verified: list[int] = []
-    real = engine._verify
-    monkeypatch.setattr(engine, "_verify", lambda *a: verified.append(1) or real(*a))
+    verified: list[int] = []  # one entry per row walked by the (host) greedy verification
+    real = engine.verify_greedy_host
+    monkeypatch.setattr(engine, "verify_greedy_host", lambda *a: verified.append(1) or real(*a))
     for j in range(3):
         out = speculate_round(target, proposer, batch, num_draft=0, tree=None)
         assert out.tokens == [[g[1 + j]] for g in greedy] and out.accepted == [0, 0]
@@ -91,7 +91,7 @@ def test_plain_rounds_then_a_drafting_round_leave_both_caches_as_a_prefill(
     assert not verified and len(batch.draft.pending) == 3
     assert batch.cache.lengths == [len(p) + 3 for p in prompts]
     out = speculate_round(target, proposer, batch, num_draft=3, tree=None)
-    assert verified == [1] and out.accepted == right and not batch.draft.pending
+    assert verified == [1, 1] and out.accepted == right and not batch.draft.pending
     _assert_caches_prefill(target, head, batch, prompts, greedy, [4 + r for r in right])
 
 

@@ -9,7 +9,7 @@ import torch
 
 from eaglespec.sampling import RowRandom
 from eaglespec.tree import build_tree, chain_tree
-from eaglespec.verify import verify_greedy, verify_sampled
+from eaglespec.verify import verify_greedy, verify_greedy_host, verify_sampled
 
 CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32}  # chi-square critical values, p = 0.001
 
@@ -93,6 +93,40 @@ def test_greedy_chain_closed_form_equals_the_general_walk() -> None:
         assert torch.equal(fast.path, walk.path) and torch.equal(fast.last_node, walk.last_node)
         assert torch.equal(fast.num_accepted, walk.num_accepted)
         assert torch.equal(fast.next_token, walk.next_token) and torch.equal(fast.bonus, walk.bonus)
+
+
+def test_greedy_host_walk_equals_verify_greedy() -> None:
+    """The engine's greedy rounds verify on the host (verify_greedy_host, one row's lists):
+    the same path, next token and bonus as verify_greedy over random topological trees and
+    chains, with a small vocabulary so that walks go deep and siblings often carry equal tokens
+    (the deepest accepted node wins, ties at equal depth to the lowest index)."""
+    gen = torch.Generator().manual_seed(0)
+    deep = 0
+    for trial in range(200):
+        B, N, V = 3, 1 + trial % 9, 3
+        if trial % 3 == 0:
+            tree = chain_tree(
+                torch.randint(0, V, (B,), generator=gen),
+                torch.randint(0, V, (B, N - 1), generator=gen),
+            )
+        else:
+            parents = torch.tensor(
+                [[-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, N)]] * B
+            )
+            tokens = torch.randint(0, V, (B, N), generator=gen)
+            tree = build_tree(tokens, parents, max_depth=N - 1, max_children=N - 1)
+        logits = torch.randn(B, N, V, generator=gen)
+        want = verify_greedy(tree, logits)
+        argmax = logits.argmax(-1)
+        for b in range(B):
+            got = verify_greedy_host(
+                tree.tokens[b].tolist(), argmax[b].tolist(), tree.parents[b].tolist()
+            )
+            path = [n for n in want.path[b].tolist() if n >= 0]
+            assert got.path == path, (trial, b)
+            assert got.next_token == int(want.next_token[b]) and got.bonus == bool(want.bonus[b])
+            deep += len(got.path) > 2
+    assert deep >= 20  # many walks accepted two or more nodes
 
 
 def _chi2(counts: torch.Tensor, p: torch.Tensor) -> float:

@@ -39,7 +39,13 @@ from eaglespec.requests import (
 from eaglespec.sampling import RowRandom, SamplingTensors, greedy_tokens, probs_from_logits
 from eaglespec.tokenizer import Tokenizer
 from eaglespec.tree import DraftTree, chain_tree, verify_positions
-from eaglespec.verify import VerifyResult, verify_greedy, verify_sampled
+from eaglespec.verify import (
+    HostPath,
+    VerifyResult,
+    verify_greedy,
+    verify_greedy_host,
+    verify_sampled,
+)
 
 
 @dataclass
@@ -408,39 +414,44 @@ def speculate_round(
         attn_mask=None if drafted.is_chain else drafted.mask,  # a chain's mask is causal
         capture=proposer.capture,
     )
-    result = _verify(drafted, out.logits, batch.st, batch.generators)
-    nodes = result.path.clamp(min=0)  # (B, D + 1) root, accepted nodes, then node 0 as padding
-    path_tokens = torch.gather(drafted.tokens, 1, nodes)  # (B, D + 1)
-    grafted = nodes[:, 1:] >= own_nodes  # (B, D) accepted nodes the lookup drafted
-    host = torch.cat(
-        [
-            result.num_accepted[:, None],
-            result.next_token[:, None],
-            path_tokens,
-            result.bonus[:, None].long(),
-            grafted.long(),
-        ],
-        1,
-    )  # (B, 2 + (D + 1) + 1 + D)
-    rows = host.tolist()  # sync: the round's tokens and their sources, once for all rows
-    accepted = [r[0] for r in rows]
-    D = drafted.max_depth
+    N, D, dev = drafted.num_nodes, drafted.max_depth, batch.roots.device
+    result: VerifyResult | None = None
+    if batch.st.all_greedy and all(t is None for t in logprobs):
+        # verified on the host: the argmax after each node is all greedy verification needs
+        argmax = greedy_tokens(out.logits)  # (B, N)
+        rows = torch.cat([drafted.tokens, argmax, drafted.parents], 1).tolist()  # (B, 3N)
+        # (sync: the round's tokens, once for all rows)
+        walks = [verify_greedy_host(r[:N], r[N : 2 * N], r[2 * N :]) for r in rows]
+    else:
+        result = _verify(drafted, out.logits, batch.st, batch.generators)
+        found = [result.path, result.next_token[:, None], result.bonus[:, None].long()]
+        rows = torch.cat([drafted.tokens, *found], 1).tolist()  # (B, N + D + 3)
+        # (sync: the round's tokens, once for all rows)
+        walks = [
+            HostPath([n for n in r[N : N + D + 1] if n >= 0], r[N + D + 1], bool(r[N + D + 2]))
+            for r in rows
+        ]
+    accepted = [len(w.path) - 1 for w in walks]
     if not batch.st.all_greedy and drafted.draft_probs is None:
         # the verifier peeked at each row's uniforms: use up one per emitted token (verify.py)
         RowRandom(batch.generators).advance([a + 1 for a in accepted])
-    tokens = [r[3 : 3 + r[0]] + [r[1]] for r in rows]
-    sources = [_sources(r[0], D, bool(r[D + 3]), r[D + 4 : D + 4 + r[0]]) for r in rows]
+    # per row: the accepted drafts' tokens (row r's first N entries), then the next root
+    tokens = [[r[n] for n in w.path[1:]] + [w.next_token] for r, w in zip(rows, walks, strict=True)]
+    sources = [
+        _sources(len(w.path) - 1, D, w.bonus, [n >= own_nodes for n in w.path[1:]]) for w in walks
+    ]
     lps = None
-    if any(t is not None for t in logprobs):
+    if result is not None and any(t is not None for t in logprobs):
+        path_tokens = torch.gather(drafted.tokens, 1, result.path.clamp(min=0))  # (B, D + 1)
         lps = _round_logprobs(out.logits, result, path_tokens, tokens, logprobs)
     clock.mark()
     committed = [a + 1 for a in accepted]  # the root and the accepted drafts
     if drafted.is_chain:  # already in their slots, in order
         batch.cache.advance(committed)
     else:
-        batch.cache.keep(nodes, committed)
-    batch.draft = _catch_up(proposer, batch.draft, out, result, path_tokens, accepted)
-    batch.roots = result.next_token
+        batch.cache.keep(_path_nodes(walks, D + 1, dev), committed)
+    batch.draft = _catch_up(proposer, batch.draft, out, drafted.is_chain, walks, tokens, dev)
+    batch.roots = torch.tensor([w.next_token for w in walks], device=dev)  # (B,)
     clock.mark()
     propose, verify, catch_up = clock.spans()
     return RoundOutput(D, accepted, tokens, propose + catch_up, verify, sources, lps)
@@ -511,24 +522,31 @@ def _verify(
     return verify_sampled(tree, probs, RowRandom(generators))
 
 
+def _path_nodes(walks: Sequence[HostPath], width: int, device: torch.device) -> torch.Tensor:
+    """(B, width) each row's root path (root, accepted nodes), padded with node 0."""
+    return torch.tensor([w.path + [0] * (width - len(w.path)) for w in walks], device=device)
+
+
 def _catch_up(
     proposer: Proposer,
     draft: Any,
     out: ForwardOutput,
-    result: VerifyResult,
-    path_tokens: torch.Tensor,  # (B, D + 1) root, accepted drafts, then padding
-    accepted: list[int],
+    chain: bool,
+    walks: Sequence[HostPath],
+    tokens: list[list[int]],  # per row: the accepted drafts, then the next root
+    dev: torch.device,
 ) -> Any:
     """Feed the draft (accepted drafts + next root) with the target states of (root + accepted)."""
-    A = max(accepted) + 1
-    dev = path_tokens.device
-    a = torch.tensor(accepted, device=dev)[:, None]  # (B, 1)
-    # width A even when A = D + 1 (or D = 0); the extra column is overwritten by `next` below
-    tokens = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)[:, :A]
-    tokens = tokens.scatter(1, a, result.next_token[:, None])  # row b: d_1 .. d_a, next
-    nodes = result.path.clamp(min=0)[:, :A]  # (B, A) root, accepted nodes, padding
-    aux = [torch.gather(h, 1, nodes[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden]
-    return proposer.catch_up(draft, tokens, aux, [n + 1 for n in accepted])
+    counts = [len(w.path) for w in walks]  # root + accepted per row
+    A = max(counts)
+    # (B, A) row b: d_1 .. d_a, next, then padding (past counts[b]: computed, never committed)
+    fed = torch.tensor([t + t[-1:] * (A - len(t)) for t in tokens], device=dev)
+    if chain:  # root + accepted drafts are nodes 0 .. a: the first A nodes of every row
+        aux = [h[:, :A] for h in out.hidden]
+    else:
+        nodes = _path_nodes(walks, A, dev)  # (B, A)
+        aux = [torch.gather(h, 1, nodes[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden]
+    return proposer.catch_up(draft, fed, aux, counts)
 
 
 def _emit(
