@@ -4,7 +4,10 @@ head and prompts, fixed chains, run alternately repeat by repeat so the machine'
 both alike. Plain decoding (generate.generate_stream) runs in the same rotation as the baseline.
 
     python benchmarks/engine_ab.py --rev REV [--chains 0 1] [--repeats 9] [--tokens 200]
-                                   [--model smollm2-135m]
+                                   [--model smollm2-135m] [--lookup-tokens 0]
+
+--lookup-tokens N grafts prompt lookup's continuations into both variants' rounds (today's
+draft/hybrid.py around each revision's head proposer), as the commands do (N = 4 there).
 
 The old modules run against today's other modules, so this measures changes confined to the
 round's own code (orchestration, verification, catch-up), not kernels (benchmarks/kernel_ab.py).
@@ -30,6 +33,7 @@ import eaglespec.engine as new_engine
 from eaglespec import LLM, SamplingParams
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.generate import generate_stream
+from eaglespec.methods import with_lookup
 from eaglespec.policy import DraftChoice, FixedDraft
 from eaglespec.requests import collect_outputs
 
@@ -62,6 +66,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lookup-tokens", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         old_engine = module_at(args.rev, "src/eaglespec/engine.py", "old_engine", Path(tmp))
@@ -70,6 +75,9 @@ def main() -> None:
     new = llm.proposer
     assert isinstance(new, Eagle3Proposer), "the model's shipped head drafts here"
     old = old_prop.Eagle3Proposer(new.head, new.capture, new.min_prob)
+    if args.lookup_tokens:
+        new = with_lookup(new, "", args.lookup_tokens).proposer
+        old = with_lookup(old, "", args.lookup_tokens).proposer
     prompts = [llm.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
 

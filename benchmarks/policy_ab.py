@@ -8,7 +8,8 @@ over the same target, head and questions (bench/runner.py).
 
 An arm MAX:MARGIN is AdaptiveDraft(MAX, measure_tokens=True, margin=MARGIN); MAX:MARGIN:P is
 the same over a head whose chains stop where their path probability falls below P
-(--draft-min-prob P). The commands run 4:0:0.3 (since session 40; 2:0 before, 4:0.05 before
+(--draft-min-prob P). An arm FIXED:K:P is a fixed chain of K with lookup, gated at P (0:
+never). The commands run 4:0:0.3 (since session 40; 2:0 before, 4:0.05 before
 session 34). An arm written REV:MAX:MARGIN[:P] runs the AdaptiveDraft of git revision
 --policy-rev instead of today's (src/eaglespec/policy.py as it was there), so a change to the
 policy is measured against the policy before it, over the same rounds' machine. Per method:
@@ -74,6 +75,12 @@ def main() -> None:
     ]
     then_type = None if args.policy_rev is None else policy_at(args.policy_rev)
     for arm in args.arms:
+        if arm.startswith("FIXED:"):  # a fixed chain of K with lookup, gated at P
+            k, gate = arm.split(":")[1:]
+            gated = Eagle3Proposer(base.head, base.capture, float(gate))
+            proposer = with_lookup(gated, "", args.lookup_tokens).proposer
+            methods.append(BenchMethod(arm, proposer, int(k), None, arm))
+            continue
         then = arm.startswith("REV:")
         longest, margin, *gate = arm.removeprefix("REV:").split(":")
         proposer = fixed

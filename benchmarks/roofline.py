@@ -109,12 +109,19 @@ def main() -> None:
     head_macs = head[0] * head[1]
 
     bw_model = bandwidth(dec_bytes, args.repeats)
+    step_bytes = dec_bytes + head_bytes  # what one plain decode step streams
+    bw_step = bandwidth(step_bytes, args.repeats)
     bw_dram = bandwidth(1 << 30, max(3, args.repeats // 3))
     op, op_macs, peak = int8_peak(args.repeats)
     print(f"{args.shapes}, {args.threads} threads, AMX {'granted' if granted else 'absent'}")
     print(
         f"streaming bandwidth: {bw_model / 1e9:.1f} GB/s over {dec_bytes / 1e6:.0f} MB "
         f"(the decoder's weights), {bw_dram / 1e9:.1f} GB/s over 1 GiB"
+    )
+    print(
+        f"one decode step streams {step_bytes / 1e6:.0f} MB (decoder and output head): "
+        f"{bw_step / 1e9:.1f} GB/s over that much, so at most {bw_step / step_bytes:.0f} "
+        f"tokens/s at one row (the plain-decoding limit)"
     )
     print(f"int8 peak: {peak / 1e9:.2f} G {op}/s = {peak * op_macs / 1e9:.0f} G int8 MAC/s")
     print()
