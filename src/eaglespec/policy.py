@@ -104,7 +104,7 @@ class AdaptiveDraft:
         max_draft: int,
         tree: TreeConfig | None = None,
         *,
-        smoothing: float = 0.2,
+        smoothing: float = 0.05,
         forget: float = 0.995,
         probe_every: int = 32,
         margin: float = PLAIN_MARGIN,
@@ -121,7 +121,12 @@ class AdaptiveDraft:
         if tree is not None:
             self.choices.append(DraftChoice(0, tree))
         self.arms = {c: _Arm() for c in self.choices}
-        self.smoothing = smoothing  # weight of a new round time in its moving average
+        # Weight of a new round's time (and measured tokens) in its arm's moving average. A
+        # round's tokens swing from 1 to 6 with lookup's grafts, so at 0.2 one lucky or unlucky
+        # round reordered the arms and an arm left behind kept its unlucky estimate (no later
+        # round of it to correct it): 0.05 ran 1.004-1.044x as fast on SmolLM2's six sets over
+        # four A/Bs, and its tokens a round varied less (benchmarks/policy_ab.py, BENCHMARKS.md).
+        self.smoothing = smoothing
         self.forget = forget  # per-row decay of the acceptance counts
         self.probe_every = probe_every
         self.margin = margin  # how much faster than the zero-draft arm a drafting arm must look
