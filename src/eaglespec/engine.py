@@ -446,11 +446,13 @@ def speculate_round(
         lps = _round_logprobs(out.logits, result, path_tokens, tokens, logprobs)
     clock.mark()
     committed = [a + 1 for a in accepted]  # the root and the accepted drafts
-    if drafted.is_chain:  # already in their slots, in order
+    # (B, A) each row's root path, padded with node 0; a chain's is 0 .. a, nothing to gather
+    nodes = None if drafted.is_chain else _path_nodes(walks, max(committed), dev)
+    if nodes is None:  # already in their slots, in order
         batch.cache.advance(committed)
     else:
-        batch.cache.keep(_path_nodes(walks, D + 1, dev), committed)
-    batch.draft = _catch_up(proposer, batch.draft, out, drafted.is_chain, walks, tokens, dev)
+        batch.cache.keep(nodes, committed)
+    batch.draft = _catch_up(proposer, batch.draft, out, nodes, tokens, committed, dev)
     batch.roots = torch.tensor([w.next_token for w in walks], device=dev)  # (B,)
     clock.mark()
     propose, verify, catch_up = clock.spans()
@@ -531,20 +533,18 @@ def _catch_up(
     proposer: Proposer,
     draft: Any,
     out: ForwardOutput,
-    chain: bool,
-    walks: Sequence[HostPath],
+    nodes: torch.Tensor | None,  # (B, A) root paths padded with node 0; None for a chain
     tokens: list[list[int]],  # per row: the accepted drafts, then the next root
+    counts: list[int],  # per row: root + accepted
     dev: torch.device,
 ) -> Any:
     """Feed the draft (accepted drafts + next root) with the target states of (root + accepted)."""
-    counts = [len(w.path) for w in walks]  # root + accepted per row
     A = max(counts)
     # (B, A) row b: d_1 .. d_a, next, then padding (past counts[b]: computed, never committed)
     fed = torch.tensor([t + t[-1:] * (A - len(t)) for t in tokens], device=dev)
-    if chain:  # root + accepted drafts are nodes 0 .. a: the first A nodes of every row
+    if nodes is None:  # root + accepted drafts are nodes 0 .. a: the first A nodes of every row
         aux = [h[:, :A] for h in out.hidden]
     else:
-        nodes = _path_nodes(walks, A, dev)  # (B, A)
         aux = [torch.gather(h, 1, nodes[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden]
     return proposer.catch_up(draft, fed, aux, counts)
 
