@@ -153,6 +153,47 @@ def test_the_stack_reads_layers_replaced_after_a_forward(monkeypatch: pytest.Mon
         assert cpu_layer.stack_args(model) is not None
 
 
+def test_a_forward_with_nothing_registered_since_trusts_the_kept_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kept arguments' parameters, packed weights and submodules are looked up again only
+    after some module registered one (cpu_layer.Checks): a forward with nothing registered
+    since looks up the plain attributes and floating buffers alone, one after a registration
+    anywhere looks up everything and, finding it current, keeps the arguments."""
+    model = _target(torch.bfloat16)
+    looked: list[int] = []
+    real = cpu_layer._found
+    monkeypatch.setattr(cpu_layer, "_found", lambda *c: looked.append(len(c[0])) or real(*c))
+    with torch.inference_mode():
+        _run(model)  # builds and keeps the arguments
+        kept = cpu_layer.stack_args(model)
+        assert kept is not None
+        every, hooked = len(kept.sources.names), len(kept.sources.hooked[1])
+        assert hooked > 3 * every  # what the epoch saves
+        looked.clear()
+        _run(model)
+        assert hooked not in looked and every in looked
+        torch.nn.Linear(2, 2)  # registers two parameters: the epoch moves
+        looked.clear()
+        _run(model)
+        assert looked.count(hooked) == 1  # once, then current again
+        assert cpu_layer.stack_args(model) is kept
+
+
+def test_a_floating_buffer_converted_after_a_forward_is_noticed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Module.to and its kin write a converted floating-point buffer straight into `_buffers`,
+    past the registration hooks: such buffers (the RoPE frequencies, biases) are looked up every
+    forward, so the next forward uses the new one."""
+    model = _target(torch.bfloat16)
+    with torch.inference_mode():
+        _run(model)
+        model._buffers["inv_freq"] = model.inv_freq * 1.5  # as Module._apply writes it
+        assert cpu_layer.logits_args(model, cpu_layer.stack_args(model)).inv_freq is model.inv_freq
+        _assert_fused_is_python(model, monkeypatch)
+
+
 def _gemma_target(dtype: torch.dtype) -> Transformer:
     """A tiny Gemma 3 (SandwichBlock layers, q/k norms, GELU-tanh, a query scale of its own, a
     window of 4 keys on two of three layers) in w4a8-mixed: some matrices 8-bit, the rest 4."""

@@ -86,7 +86,8 @@ class LayerArgs:
     Why kept: read per forward through nn.Module's attribute lookup (`Module.__getattr__`, about
     35 lookups a layer), the 30 layers' arguments and checks cost about 1 ms of a 5.4 ms SmolLM2
     decode step; checking that the values are still current is one dict lookup and one identity
-    test each."""
+    test each, and for parameters, packed weights and submodules only after some module
+    registered one (`Checks`)."""
 
     norms: tuple[object, ...]  # target: attn_norm and mlp_norm weights, eps; head: norm weight, eps
     matrices: tuple[object, ...]  # wqkv weight, bias, N; wo weight, bias; w13 weight, bias, N; w2
@@ -102,29 +103,91 @@ class LayerArgs:
         return self.sources.current()
 
 
+# Bumped whenever a parameter, buffer or submodule is assigned or registered on any module
+# (nn.Module's global registration hooks, installed below): what Checks.current trusts between
+# forwards for the values those hooks cover.
+_EPOCH = [0]
+
+
+def _bump(*_: object) -> None:
+    _EPOCH[0] += 1
+
+
+for _register in (
+    nn.modules.module.register_module_parameter_registration_hook,
+    nn.modules.module.register_module_buffer_registration_hook,
+    nn.modules.module.register_module_module_registration_hook,
+):
+    _register(_bump)
+
+
+def _every_forward(where: dict[str, object], value: object) -> bool:
+    """Whether a kept value must be looked up again every forward: a plain attribute (found in
+    a module's own __dict__, which holds the key "_parameters"; assigning one calls no hook), or
+    a floating-point buffer (Module.to and friends write converted buffers straight into
+    `_buffers`). Parameters (converted in place), other buffers and submodules change only
+    through the registration hooks."""
+    if "_parameters" in where:
+        return True
+    return (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, nn.Parameter)
+        and value.is_floating_point()
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Checks:
     """Where each kept value was read from (a module's own dict and the name) and the value read,
-    as three columns, so that `current` runs its lookups and identity tests in C: about 750 of
-    them for SmolLM2's stack and tail, each forward (a Python loop over the triples took ~60 us)."""
+    as three columns, so that `current` runs its lookups and identity tests in C.
+
+    Two sets of columns: those looked up every forward (`_every_forward`: plain attributes and
+    floating buffers, a few a layer) and the rest (parameters, packed weights, submodules: about
+    600 for SmolLM2's stack), looked up only when the registration epoch moved since they were
+    last found current. Why: each forward streams the weights through the caches, so the next
+    forward's lookups all miss; all of them cost about 150 us of a 2.4 ms SmolLM2 decode step
+    (6.8%, session 46), the every-forward ones about a fifth of that."""
 
     wheres: tuple[dict[str, object], ...]
     names: tuple[str, ...]
     values: tuple[object, ...]
+    hooked: tuple[tuple[dict[str, object], ...], tuple[str, ...], tuple[object, ...]]
+    epoch: list[int]  # [the epoch at which `hooked` was last found current]
 
     @staticmethod
     def of(sources: Sources) -> Checks:
-        wheres, names, values = zip(*sources, strict=True) if sources else ((), (), ())
-        return Checks(wheres, names, values)
+        every = [s for s in sources if _every_forward(s[0], s[2])]
+        rest = [s for s in sources if not _every_forward(s[0], s[2])]
+        wheres, names, values = _columns(every)
+        return Checks(wheres, names, values, _columns(rest), [_EPOCH[0]])
 
     def current(self) -> bool:
         """Whether every value is still where it was read from."""
-        found = map(dict.get, self.wheres, self.names, repeat(_MISSING))
-        return all(map(operator.is_, found, self.values))
+        if self.epoch[0] != _EPOCH[0]:
+            if not _found(*self.hooked):
+                return False
+            self.epoch[0] = _EPOCH[0]
+        return _found(self.wheres, self.names, self.values)
 
     def entries(self) -> Sources:
         """The checks as (where, name, value) triples, to be checked again among others."""
-        return list(zip(self.wheres, self.names, self.values, strict=True))
+        every = zip(self.wheres, self.names, self.values, strict=True)
+        return [*every, *zip(*self.hooked, strict=True)]
+
+
+def _columns(
+    sources: Sources,
+) -> tuple[tuple[dict[str, object], ...], tuple[str, ...], tuple[object, ...]]:
+    wheres, names, values = zip(*sources, strict=True) if sources else ((), (), ())
+    return wheres, names, values
+
+
+def _found(
+    wheres: tuple[dict[str, object], ...], names: tuple[str, ...], values: tuple[object, ...]
+) -> bool:
+    """Whether each value is still wheres[i][names[i]] (identity), in C."""
+    found = map(dict.get, wheres, names, repeat(_MISSING))
+    return all(map(operator.is_, found, values))
 
 
 def _read(module: nn.Module, name: str, sources: Sources) -> Any:
