@@ -8,8 +8,9 @@ over the same target, head and questions (bench/runner.py).
 
 An arm MAX:MARGIN is AdaptiveDraft(MAX, measure_tokens=True, margin=MARGIN); MAX:MARGIN:P is
 the same over a head whose chains stop where their path probability falls below P
-(--draft-min-prob P). An arm FIXED:K:P is a fixed chain of K with lookup, gated at P (0:
-never). The commands run 4:0:0.3 (since session 40; 2:0 before, 4:0.05 before
+(--draft-min-prob P; 0: never), and MAX:MARGIN:P:S the same with its moving averages' weight of
+a new round S (`smoothing`, 0.05 by default). An arm FIXED:K:P is a fixed chain of K with
+lookup, gated at P (0: never). The commands run 4:0:0.3 (since session 40; 2:0 before, 4:0.05 before
 session 34). An arm written REV:MAX:MARGIN[:P] runs the AdaptiveDraft of git revision
 --policy-rev instead of today's (src/eaglespec/policy.py as it was there), so a change to the
 policy is measured against the policy before it, over the same rounds' machine. Per method:
@@ -57,7 +58,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", nargs="+", required=True)
     ap.add_argument("--model", default="smollm2-135m", help="a registry name with a shipped head")
-    ap.add_argument("--arms", nargs="+", default=["2:0", "4:0:0.3"], help="MAX:MARGIN[:MIN_PROB]")
+    ap.add_argument(
+        "--arms", nargs="+", default=["2:0", "4:0:0.3"], help="MAX:MARGIN[:MIN_PROB[:SMOOTHING]]"
+    )
     ap.add_argument("--lookup-tokens", type=int, default=4)
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -84,11 +87,12 @@ def main() -> None:
         then = arm.startswith("REV:")
         longest, margin, *gate = arm.removeprefix("REV:").split(":")
         proposer = fixed
-        if gate:  # the same head, gated
+        if gate and float(gate[0]):  # the same head, gated
             gated = Eagle3Proposer(base.head, base.capture, float(gate[0]))
             proposer = with_lookup(gated, "", args.lookup_tokens).proposer
         policy_type = then_type if then else AdaptiveDraft
-        policy = policy_type(int(longest), measure_tokens=True, margin=float(margin))
+        smoothing = {"smoothing": float(gate[1])} if len(gate) > 1 else {}
+        policy = policy_type(int(longest), measure_tokens=True, margin=float(margin), **smoothing)
         name = f"adaptive {arm.replace('REV', args.policy_rev or '')}"
         methods.append(BenchMethod(name, proposer, int(longest), None, name, policy))
     questions = read_all(args.questions, args.limit)
