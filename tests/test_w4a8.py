@@ -216,6 +216,9 @@ def _both_paths_agree(
     ops = torch.ops.eaglespec_w4a8
     torch.manual_seed(seed)
     x = torch.randn(max(ROW_COUNTS), k).to(dtype)
+    x[1, 32:64] = 0  # a group of zeros (dx = 0), one of a single value, one of large values
+    x[2, 64:96] = 0.75
+    x[3, 96:128] *= 1000
     for n in (160, 97):
         layer = _layer(n, k, bias=False)
         w4, w8 = w4a8.W4A8Linear.from_linear(layer), w4a8.W8A8Linear.from_linear(layer)
