@@ -156,8 +156,10 @@ class Checks:
 
     @staticmethod
     def of(sources: Sources) -> Checks:
-        every = [s for s in sources if _every_forward(s[0], s[2])]
-        rest = [s for s in sources if not _every_forward(s[0], s[2])]
+        every: Sources = []
+        rest: Sources = []
+        for source in sources:  # each entry classified once
+            (every if _every_forward(source[0], source[2]) else rest).append(source)
         wheres, names, values = _columns(every)
         return Checks(wheres, names, values, _columns(rest), [_EPOCH[0]])
 
