@@ -7,7 +7,7 @@ import torch
 
 from eaglespec.config import TreeConfig
 from eaglespec.errors import InvalidRequestError
-from eaglespec.tree import build_tree, chain_tree, graft_chain, verify_positions
+from eaglespec.tree import build_tree, chain_tree, graft_chain, graft_on_chain, verify_positions
 
 
 def _example():
@@ -127,6 +127,32 @@ def test_graft_per_row_and_onto_a_chain() -> None:
         [1, 0, 0, 1, 1],
     ]
     assert not t.is_chain  # bounds, not data: row 1 branches
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_graft_on_chain_builds_graft_chains_tree_from_host_lists(seed: int) -> None:
+    """hybrid.py's CPU path: the tree graft_chain builds over a chain, its structure cached per
+    (chain length, hang depth, graft length), field for field. Rows share a few tokens, so the
+    continuations leave their chains at every depth, the root and the last draft included."""
+    gen = torch.Generator().manual_seed(seed)
+    B = 1 + seed % 3
+    k = 1 + seed % 4
+    length = 1 + (seed + 1) % 3
+    drafts = torch.randint(0, 3, (B, k), generator=gen)
+    roots = torch.tensor([9] * B)
+    cont = torch.randint(0, 3, (B, k + length), generator=gen)
+    cont[0, : k - 1] = drafts[0, : k - 1]  # row 0 leaves its chain at the last draft at most
+    chain = chain_tree(roots, drafts)
+    want = graft_chain(chain, cont, length)
+    rows = chain.tokens.tolist()
+    got = graft_on_chain(rows, cont.tolist(), length, torch.device("cpu"))
+    for name in ("tokens", "parents", "depth", "mask", "paths", "children"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.max_depth, got.max_children, got.draft_probs) == (
+        want.max_depth,
+        want.max_children,
+        None,
+    )
 
 
 def test_graft_refuses_sampled_drafts() -> None:

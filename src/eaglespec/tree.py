@@ -147,6 +147,53 @@ def _chain_structure(B: int, k: int, device: torch.device) -> tuple[torch.Tensor
     )
 
 
+def graft_on_chain(
+    drafted: list[list[int]], chains: list[list[int]], length: int, device: torch.device
+) -> DraftTree:
+    """graft_chain over a chain tree, from host lists: row b's root and k drafts `drafted[b]`
+    (k + 1 tokens), its candidate continuation `chains[b]` (k + length tokens). The same tree
+    (tokens, parents, depth, mask, paths, children, bounds), but its structure depends only on
+    k, length and the node each row's graft hangs from (the chain's draft depth d where the
+    continuation leaves it), so it is built once per (k, d, length) and reused: graft_chain's
+    closure matmuls and scatters took about 0.1 ms warm and 0.4 ms right after a verify
+    forward, in about a sixth of SmolLM2's rounds with lookup."""
+    k = len(drafted[0]) - 1
+    rows, hung = [], []
+    for tokens, chain in zip(drafted, chains, strict=True):
+        d = 0
+        while d < k and chain[d] == tokens[d + 1]:
+            d += 1
+        rows.append(tokens + chain[d : d + length])
+        hung.append(d)
+    parts = [_grafted_structure(k, d, length, device) for d in hung]
+    fields = parts[0] if len(parts) == 1 else [torch.cat(f) for f in zip(*parts, strict=True)]
+    parents, depth, mask, paths, children = fields
+    return DraftTree(
+        torch.tensor(rows, device=device),
+        parents,
+        depth,
+        mask,
+        paths,
+        children,
+        None,
+        k + length,
+        2,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _grafted_structure(
+    k: int, d: int, length: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """parents, depth, mask, paths and children (each with a batch dim of 1) of a chain of k
+    drafts with `length` nodes grafted in a chain under draft d (d = 0: the root), as
+    build_tree derives them; never written (rows are concatenated, not edited)."""
+    parents = list(range(-1, k)) + [d] + list(range(k + 1, k + length))
+    p = torch.tensor([parents], device=device)
+    tree = build_tree(p.clamp(min=0), p, max_depth=k + length, max_children=2)
+    return tree.parents, tree.depth, tree.mask, tree.paths, tree.children
+
+
 def verify_positions(tree: DraftTree, prefix_len: torch.Tensor) -> torch.Tensor:
     """RoPE positions of the nodes: prefix_len (B,) + depth. Prefix 7, depths [0, 1, 1, 2] ->
     [7, 8, 8, 9]."""

@@ -21,7 +21,7 @@ import torch
 from eaglespec.config import TreeConfig
 from eaglespec.draft.lookup import LookupState, PromptLookupProposer
 from eaglespec.draft.proposer import Eagle3Proposer
-from eaglespec.tree import DraftTree, chain_tree, graft_chain
+from eaglespec.tree import DraftTree, chain_tree, graft_chain, graft_on_chain
 
 
 @dataclass
@@ -79,12 +79,19 @@ class HybridProposer:
             f if f is not None else [row.tokens[-1]] * width
             for f, row in zip(found, state.lookup.rows, strict=True)
         ]
-        chain = torch.tensor(chains, dtype=torch.long, device=tree.tokens.device)  # (B, width)
-        if tree.is_chain and _continues(tree, chains):
-            # every row's lookup goes on from its last draft: still a chain, verified and
-            # committed as one (no tree mask, tree walk or cache gather: ~0.8 ms a round)
-            drafts = torch.cat([tree.tokens[:, 1:], chain[:, tree.max_depth : width]], 1)
-            return chain_tree(tree.tokens[:, 0], drafts)
+        dev, D = tree.tokens.device, tree.max_depth
+        chain = torch.tensor(chains, dtype=torch.long, device=dev)  # (B, width)
+        if D == 0:  # a zero-draft round's graft hangs from the root: a chain
+            return chain_tree(tree.tokens[:, 0], chain)
+        if tree.is_chain and dev.type == "cpu":
+            drafted = tree.tokens.tolist()  # sync: free on the CPU, where the drafts already are
+            if all(c[:D] == d[1:] for c, d in zip(chains, drafted, strict=True)):
+                # every row's lookup goes on from its last draft: still a chain, verified and
+                # committed as one (no tree mask, tree walk or cache gather: ~0.8 ms a round)
+                return chain_tree(
+                    tree.tokens[:, 0], torch.cat([tree.tokens[:, 1:], chain[:, D:]], 1)
+                )
+            return graft_on_chain(drafted, chains, length, dev)  # graft_chain's tree, cached
         return graft_chain(tree, chain, length)
 
     def catch_up(
@@ -109,16 +116,3 @@ class HybridProposer:
             self.head.concat([s.head for s in states]),
             self.lookup.concat([s.lookup for s in states]),
         )
-
-
-def _continues(tree: DraftTree, chains: list[list[int]]) -> bool:
-    """Whether each row's lookup chain starts with the row's drafted chain (always, with no
-    drafts: a zero-draft round's graft hangs from the root). Drafts are read on the host only
-    where that costs no wait (a CPU tensor); elsewhere a drafted chain takes graft_chain."""
-    D = tree.max_depth
-    if D == 0:
-        return True
-    if tree.tokens.device.type != "cpu":
-        return False
-    drafted = tree.tokens[:, 1:].tolist()  # sync: free on the CPU, where the drafts already are
-    return all(c[:D] == d for c, d in zip(chains, drafted, strict=True))
