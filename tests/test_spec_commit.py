@@ -15,6 +15,7 @@ from eaglespec.engine import Prefill, speculate_round
 from eaglespec.generate import generate_stream
 from eaglespec.model.llama import Transformer
 from eaglespec.requests import collect_outputs, new_states
+from eaglespec.tree import graft_on_chain
 from helpers import NullTokenizer, tiny_target
 
 CAPTURE = (1, 3, 4)
@@ -121,3 +122,64 @@ def _assert_caches_prefill(
         torch.testing.assert_close(state.cache.k[:, row, :, :n], head_cache.k[:, 0, :, :n], **TOL)
         torch.testing.assert_close(state.logits[row], hd.logits[0, -1], **TOL)
         torch.testing.assert_close(state.prenorm[row], hd.prenorm[0, -1], **TOL)
+
+
+class _GraftingHalfRight(_HalfRightProposer):
+    """_HalfRightProposer's chains with a lookup-like continuation of the root grafted in
+    (tree.graft_on_chain, as HybridProposer builds it on the CPU): the target's greedy
+    continuation for rows in `graft_right`, wrong tokens for the others."""
+
+    graft_tokens = 2
+
+    def __init__(self, head, continuations, right, graft_right: list[bool]) -> None:
+        super().__init__(head, continuations, right)
+        self.graft_right = graft_right
+
+    def graft(self, state: DraftState, tree, room: int):  # type: ignore[no-untyped-def]
+        width = tree.max_depth + self.graft_tokens
+        chains = [
+            cont[:width] if ok else [(t + 2) % 64 for t in cont[:width]]
+            for cont, ok in zip(self.continuations, self.graft_right, strict=True)
+        ]
+        return graft_on_chain(tree.tokens.tolist(), chains, self.graft_tokens, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("right", "graft_right", "in_order"),
+    [
+        ([1, 0], [False, False], True),  # the head's first draft, or nothing: nodes 0 .. a
+        ([0, 2], [True, False], False),  # row 0 through the graft: its path is gathered
+        ([1, 0], [True, True], False),
+    ],
+)
+def test_a_tree_round_commits_in_place_or_gathered_as_a_prefill(
+    target: Transformer,
+    monkeypatch: pytest.MonkeyPatch,
+    right: list[int],
+    graft_right: list[bool],
+    in_order: bool,
+) -> None:
+    """A chain with a graft branching off is a tree; where every row accepted its first nodes in
+    order (the head's drafts precede the graft) the round commits in place as a chain does, else
+    each row's path is gathered. Either way both caches equal a fresh prefill."""
+    prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
+    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
+    greedy = [o.token_ids for o in plain]
+    head = random_eagle3(target, seed=1)
+    proposer = _GraftingHalfRight(head, [g[1:] for g in greedy], right, graft_right)
+    seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
+    prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
+    prefill.step()
+    batch = prefill.finish().batch
+    gathered: list[int] = []
+    real = engine._path_nodes
+    monkeypatch.setattr(engine, "_path_nodes", lambda *a: gathered.append(1) or real(*a))
+    out = speculate_round(target, proposer, batch, num_draft=3, tree=None)
+    # a row whose graft is right accepts the head's right drafts, then the graft's 2 nodes
+    want = [r + 2 * ok for r, ok in zip(right, graft_right, strict=True)]
+    assert out.accepted == want
+    assert bool(gathered) != in_order
+    for row, g in enumerate(greedy):
+        assert out.tokens[row] == g[1 : 2 + want[row]]
+    _assert_caches_prefill(target, head, batch, prompts, greedy, [1 + a for a in want])

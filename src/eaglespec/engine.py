@@ -446,8 +446,11 @@ def speculate_round(
         lps = _round_logprobs(out.logits, result, path_tokens, tokens, logprobs)
     clock.mark()
     committed = [a + 1 for a in accepted]  # the root and the accepted drafts
-    # (B, A) each row's root path, padded with node 0; a chain's is 0 .. a, nothing to gather
-    nodes = None if drafted.is_chain else _path_nodes(walks, max(committed), dev)
+    # (B, A) each row's root path, padded with node 0; a chain's is 0 .. a, nothing to gather,
+    # and so is a tree's whose every row accepted its first nodes in order (the head's chain,
+    # which precedes a graft, or nothing: most tree rounds of a chain with lookup grafted)
+    in_order = drafted.is_chain or all(w.path[-1] == len(w.path) - 1 for w in walks)
+    nodes = None if in_order else _path_nodes(walks, max(committed), dev)
     if nodes is None:  # already in their slots, in order
         batch.cache.advance(committed)
     else:
