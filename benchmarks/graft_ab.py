@@ -16,33 +16,18 @@ other modules (tree.py included), so this measures changes confined to the graft
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import types
-from pathlib import Path
 from typing import Any
 
 import torch
+from ab_common import module_at, run_ab
 
-from eaglespec.bench.aggregate import summarize
 from eaglespec.bench.lineup import PLAIN, BenchMethod, shipped_head
-from eaglespec.bench.memory import memory_meter
-from eaglespec.bench.questions import read_all
-from eaglespec.bench.report import ab_table
-from eaglespec.bench.runner import RunSettings, run_benchmark
 from eaglespec.draft.hybrid import HybridProposer
 
 
 def hybrid_at(rev: str) -> Any:
     """HybridProposer as git revision `rev` had it."""
-    text = subprocess.run(
-        ["git", "show", f"{rev}:src/eaglespec/draft/hybrid.py"],
-        capture_output=True, text=True, check=True, cwd=Path(__file__).parent,
-    ).stdout  # fmt: skip
-    module = types.ModuleType("hybrid_at_rev")
-    sys.modules[module.__name__] = module  # dataclasses resolve annotations through it
-    exec(compile(text, f"{rev}:src/eaglespec/draft/hybrid.py", "exec"), module.__dict__)
-    return module.HybridProposer
+    return module_at(rev, "src/eaglespec/draft/hybrid.py").HybridProposer
 
 
 def main() -> None:
@@ -65,13 +50,7 @@ def main() -> None:
         for name, kind in ((f"{args.rev} {r + 1}", old_type), (f"today {r + 1}", HybridProposer)):
             proposer = kind(head, args.lookup_tokens)
             methods.append(BenchMethod(name, proposer, args.num_draft, None, name))
-    questions = read_all(args.questions, args.limit)
-    settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
-    gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
-    stats = summarize(gens, questions, [m.name for m in methods], group_by="file", greedy=True)
-    plain = stats.overall[PLAIN]
-    print(f"{plain.generations} turns, plain {plain.tokens_per_second:.1f} tokens/s")
-    print(ab_table(stats.overall))
+    run_ab(target, methods, args.questions, args.limit, args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -23,20 +23,12 @@ default precision (bf16 w4a8).
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import types
-from pathlib import Path
 from typing import Any
 
 import torch
+from ab_common import module_at, run_ab
 
-from eaglespec.bench.aggregate import summarize
 from eaglespec.bench.lineup import PLAIN, BenchMethod, shipped_head
-from eaglespec.bench.memory import memory_meter
-from eaglespec.bench.questions import read_all
-from eaglespec.bench.report import ab_table
-from eaglespec.bench.runner import RunSettings, run_benchmark
 from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.methods import with_lookup
 from eaglespec.policy import AdaptiveDraft
@@ -44,14 +36,7 @@ from eaglespec.policy import AdaptiveDraft
 
 def policy_at(rev: str) -> Any:
     """AdaptiveDraft as git revision `rev` had it."""
-    text = subprocess.run(
-        ["git", "show", f"{rev}:src/eaglespec/policy.py"],
-        capture_output=True, text=True, check=True, cwd=Path(__file__).parent,
-    ).stdout  # fmt: skip
-    module = types.ModuleType("policy_at_rev")
-    sys.modules[module.__name__] = module  # dataclasses resolve annotations through it
-    exec(compile(text, f"{rev}:src/eaglespec/policy.py", "exec"), module.__dict__)
-    return module.AdaptiveDraft
+    return module_at(rev, "src/eaglespec/policy.py").AdaptiveDraft
 
 
 def main() -> None:
@@ -95,13 +80,7 @@ def main() -> None:
         policy = policy_type(int(longest), measure_tokens=True, margin=float(margin), **smoothing)
         name = f"adaptive {arm.replace('REV', args.policy_rev or '')}"
         methods.append(BenchMethod(name, proposer, int(longest), None, name, policy))
-    questions = read_all(args.questions, args.limit)
-    settings = RunSettings(max_tokens=args.max_tokens, temperature=0.0, seed=0)
-    gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
-    stats = summarize(gens, questions, [m.name for m in methods], group_by="file", greedy=True)
-    plain = stats.overall[PLAIN]
-    print(f"{plain.generations} turns, plain {plain.tokens_per_second:.1f} tokens/s")
-    print(ab_table(stats.overall))
+    run_ab(target, methods, args.questions, args.limit, args.max_tokens)
 
 
 if __name__ == "__main__":
