@@ -283,6 +283,32 @@ def test_a_graft_that_continues_a_chain_stays_a_chain(
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
+def test_a_graft_that_would_leave_the_drafts_looks_up_what_follows_them(
+    target: Transformer,
+) -> None:
+    """Where the continuation of the history's suffix leaves the head's draft (or there is
+    none), the graft is what followed the suffix with the draft appended, hung below the draft:
+    the round stays a chain. Row 0: "5 6 7" was followed by 1 2 9, but the head drafts 3, and
+    "7 3" was followed by 8 4 0; row 1: the same history, a draft nothing followed (6): the
+    suffix's own continuation as a branch of the root, a tree for both rows."""
+    hybrid = _hybrid(target, lookup_tokens=3, min_ngram=2)
+    history = [7, 3, 8, 4, 0, 5, 6, 7, 1, 2, 9, 5, 6]
+    for drafts, want_chain, want_tokens in (
+        ([[3]], True, [[7, 3, 8, 4, 0]]),
+        ([[1]], True, [[7, 1, 2, 9, 5]]),  # the suffix's continuation goes on from the draft
+        ([[3], [6]], False, [[7, 3, 8, 4, 0], [7, 6, 1, 2, 9]]),
+    ):
+        B = len(drafts)
+        ids = torch.tensor([history] * B)
+        state = hybrid.lookup.start(ids, torch.tensor([7] * B), (), [len(history)] * B, 64)
+        tree = chain_tree(torch.tensor([7] * B), torch.tensor(drafts))
+        got = hybrid.graft(HybridState(None, state), tree, room=16)
+        assert got.is_chain == want_chain
+        assert got.tokens.tolist() == want_tokens
+        if not want_chain:  # row 1's branch hangs from the root, row 0's below its draft
+            assert got.parents.tolist() == [[-1, 0, 1, 2, 3], [-1, 0, 0, 2, 3]]
+
+
 def test_hybrid_refuses_no_lookup_tokens(target: Transformer) -> None:
     with pytest.raises(ValueError, match="lookup_tokens"):
         _hybrid(target, lookup_tokens=0)
@@ -344,6 +370,26 @@ def test_incremental_index_matches_a_naive_search(
     assert index.propose(k) == _naive(history, k, max_ngram, 1)
     index.extend(more)  # catch-up appends to a live index
     assert index.propose(k) == _naive(history + more, k, max_ngram, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=30),
+    st.lists(st.integers(0, 3), min_size=1, max_size=5),
+    st.integers(1, 5),
+    st.integers(1, 4),
+)
+def test_a_lookup_after_drafts_is_the_lookup_of_the_history_they_would_make(
+    history: list[int], after: list[int], k: int, max_ngram: int
+) -> None:
+    """find(k, after): what `find` would give had the drafts been appended, including matches
+    that reach into them and the history's own last n-gram, without indexing them."""
+    index = _index(history, max_ngram)
+    want = _naive(history + after, k, max_ngram, 1)
+    found = index.find(k, after)
+    assert (found if found is not None else [after[-1]] * k) == want
+    assert index.tokens == history  # the drafts stay out of the index
+    assert index.find(k) == _index(history, max_ngram).find(k)
 
 
 def test_lookup_proposer_tracks_rows_through_rounds() -> None:

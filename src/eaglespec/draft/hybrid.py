@@ -4,6 +4,8 @@ seen before: a summary quoting its article, code repeating an identifier, a list
 continuation joins the same draft tree and is verified in the same target forward. The head's
 drafts and the copied text compete in one round instead of one method per request; the copied
 text costs no draft forward, only verification slots, and rounds without a match add nothing.
+Where the text that followed the row's last tokens leaves the head's one draft, what followed
+them with the draft appended is looked up too, so the two agree and the round stays a chain.
 
 The lookup's tokens are deterministic picks like the head's, so greedy and sampled verification
 stay lossless over the grafted tree (verify.py). The head's catch-up is unchanged: it is fed the
@@ -66,24 +68,44 @@ class HybridProposer:
 
     def graft(self, state: HybridState, tree: DraftTree, room: int) -> DraftTree:
         """The tree with each row's lookup continuation grafted in (graft_chain); unchanged when no
-        row's context matches or no room is left."""
+        row's context matches or no room is left.
+
+        Over a chain of one draft on the CPU, a row whose suffix has no continuation, or one
+        that leaves the head's draft, looks up what follows the draft (the history's suffix
+        n-gram with the draft appended); found, that goes on from the draft and the round is a
+        chain. On SmolLM2's six sets with the fixed chain of one (BENCHMARKS.md, session 48):
+        2.012 -> 2.060 tokens a round, 2.058 from the rounds where lookup had found nothing
+        alone; where the continuation left the draft (a tree before, whose first token was
+        lookup's in 39% of those rounds and the draft's in 27%) the chain lands about as much
+        and is verified without the tree's mask and gather. Over chains of 2 and 3, whose
+        drafts must all be accepted first, it measured +0.5% and -0.5% tokens a round and ran
+        slower, so longer chains keep the suffix's own continuation."""
         length = min(self.lookup_tokens, room - (tree.num_nodes - 1))
         if length < 1:
             return tree
-        width = tree.max_depth + length
-        found = [row.find(width) for row in state.lookup.rows]
+        dev, D = tree.tokens.device, tree.max_depth
+        width = D + length
+        rows = state.lookup.rows
+        found = [row.find(width) for row in rows]
+        drafted = None
+        if D and tree.is_chain and dev.type == "cpu":  # the drafts' host copy costs no wait
+            drafted = tree.tokens.tolist()  # sync: free on the CPU
+            for b, (row, tokens) in enumerate(zip(rows, drafted, strict=True)):
+                f = found[b]
+                if D == 1 and (f is None or f[0] != tokens[1]):  # none, or it leaves the draft
+                    after = row.find(length, after=tokens[1:])
+                    if after is not None:
+                        found[b] = tokens[1:] + after
         if all(f is None for f in found):
             return tree
         # rows without a match repeat their last token: wasted slots, never a wrong output
         chains = [
             f if f is not None else [row.tokens[-1]] * width
-            for f, row in zip(found, state.lookup.rows, strict=True)
+            for f, row in zip(found, rows, strict=True)
         ]
-        dev, D = tree.tokens.device, tree.max_depth
-        if D and tree.is_chain and dev.type == "cpu":  # the drafts' host copy costs no wait
-            # sync: free on the CPU; a chain again where every row's lookup goes on from its
-            # last draft (graft_on_chain)
-            return graft_on_chain(tree.tokens.tolist(), chains, length, dev)
+        if drafted is not None:
+            # a chain again where every row's continuation goes on from its last draft
+            return graft_on_chain(drafted, chains, length, dev)
         chain = torch.tensor(chains, dtype=torch.long, device=dev)  # (B, width)
         if D == 0:  # a zero-draft round's graft hangs from the root: a chain
             return chain_tree(tree.tokens[:, 0], chain)

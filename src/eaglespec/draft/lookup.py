@@ -55,20 +55,36 @@ class NgramIndex:
         found = self.find(k)
         return found if found is not None else [self.tokens[-1]] * k
 
-    def find(self, k: int) -> list[int] | None:
-        """k tokens continuing the longest suffix n-gram seen before; None when none was."""
-        h = self.tokens
+    def find(self, k: int, after: Sequence[int] = ()) -> list[int] | None:
+        """k tokens continuing the longest suffix n-gram seen before; None when none was. With
+        `after`, of the history followed by those tokens (drafts not yet verified: what would
+        follow them), as if they had been appended, without indexing them."""
+        h, T = self.tokens, len(self.tokens)
+        size = T + len(after)
+
+        def at(i: int) -> int:  # token i of the history followed by `after`
+            return h[i] if i < T else after[i - T]
+
         for n in sorted(self.last, reverse=True):
-            if len(h) <= n:
+            if size <= n:
                 continue
-            start = self.last[n].get(tuple(h[-n:]))
+            key = tuple(at(i) for i in range(size - n, size))
+            start = None
+            # occurrences the table does not hold, latest first: those reaching into `after`,
+            # then the history's own final n-gram (the table's entries end before it)
+            for p in range(size - n - 1, T - n - 1, -1) if after else ():
+                if p >= 0 and all(at(p + i) == key[i] for i in range(n)):
+                    start = p
+                    break
+            if start is None:
+                start = self.last[n].get(key)
             if start is not None:
                 out: list[int] = []
-                src = start + n  # < len(h): the match is earlier than the suffix
+                src = start + n  # < size: the match is earlier than the suffix
                 for j in range(k):
-                    # Past the history's end the proposal continues from its own tokens.
+                    # Past the end the proposal continues from its own tokens.
                     i = src + j
-                    out.append(h[i] if i < len(h) else out[i - len(h)])
+                    out.append(at(i) if i < size else out[i - size])
                 return out
         return None
 
