@@ -68,7 +68,7 @@ class NgramIndex:
         for n in sorted(self.last, reverse=True):
             if size <= n:
                 continue
-            key = tuple(at(i) for i in range(size - n, size))
+            key = tuple(h[-n:]) if not after else tuple(at(i) for i in range(size - n, size))
             start = None
             # occurrences the table does not hold, latest first: those reaching into `after`,
             # then the history's own final n-gram (the table's entries end before it)
