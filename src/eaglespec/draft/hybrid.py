@@ -90,12 +90,13 @@ class HybridProposer:
         drafted = None
         if D and tree.is_chain and dev.type == "cpu":  # the drafts' host copy costs no wait
             drafted = tree.tokens.tolist()  # sync: free on the CPU
-            for b, (row, tokens) in enumerate(zip(rows, drafted, strict=True)):
-                f = found[b]
-                if D == 1 and (f is None or f[0] != tokens[1]):  # none, or it leaves the draft
-                    after = row.find(length, after=tokens[1:])
-                    if after is not None:
-                        found[b] = tokens[1:] + after
+            if D == 1:  # a row's continuation that is none, or leaves the draft: after the draft
+                for b, (row, (_, draft)) in enumerate(zip(rows, drafted, strict=True)):
+                    f = found[b]
+                    if f is None or f[0] != draft:
+                        after = row.find(length, after=[draft])
+                        if after is not None:
+                            found[b] = [draft, *after]
         if all(f is None for f in found):
             return tree
         # rows without a match repeat their last token: wasted slots, never a wrong output
