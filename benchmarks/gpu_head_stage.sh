@@ -22,7 +22,7 @@
 #   cp src/eaglespec/heads/smollm2-135m/{config.json,model.safetensors} .gpu/head
 #   cp ../shared/data/train/* .gpu/train
 # Back here: cat parts > stage.tgz; tar xzf stage.tgz (head/, data/, report_regen.json).
-# Stage 2 reads SEED, SKIP and LIMIT (the GSM8K questions taken: --skip-per-file, --limit-per-file),
+# Stage 2 reads DATA (the prompt files' names), LR2 (a second head at that rate), SEED, SKIP and LIMIT (the GSM8K questions taken: --skip-per-file, --limit-per-file),
 # SYNTH_S, REGEN_S, TRAIN_S and TOTAL_S (seconds), and the sizes below from the environment.
 set -uo pipefail
 stage=$1
@@ -50,9 +50,11 @@ if [ "$stage" = 2 ]; then
         | sha256sum -c || exit 4
     W=/root/stage
     D=.gpu/train
+    # DATA: the prompt files in .gpu/train (GSM8K's training questions, the Alpaca seed tasks and
+    # the ShareGPT-format conversations unless named)
+    read -ra FILES <<<"${DATA:-gsm8k_train.jsonl alpaca_seed_tasks.jsonl sharegpt_format_dummy_conversation.json}"
     ARGS=(--target "$G" --device cuda --target-dtype bfloat16 --target-quant none
-        --data $D/gsm8k_train.jsonl $D/alpaca_seed_tasks.jsonl
-        $D/sharegpt_format_dummy_conversation.json
+        --data "${FILES[@]/#/$D/}"
         --variants code=0.3 --skip-per-file "${SKIP:-0}" --limit-per-file "${LIMIT:-3000}"
         --synth-prompts "${SYNTH:-12000}" --synth-steer tasks
         --summaries "${SUMMARIES:-1500}" --completions "${COMPLETIONS:-800}"
@@ -71,14 +73,25 @@ if [ "$stage" = 2 ]; then
     cp $W/train_report.json /root/ret/report_regen.json
     cp $W/work/responses.jsonl $W/work/synth_prompts.jsonl /root/ret/data/
     # the second run answers nothing (its deadlines have passed) and trains on what is there
+    # LR2: a second head trained at that rate at the same time, over a linked copy of the folder
     t=$(left ${TOTAL_S:-530})
+    ts=$((t - 60 < TRAIN_S ? t - 60 : TRAIN_S))
+    if [ -n "${LR2:-}" ]; then
+        mkdir -p /root/stage2 && cp -al $W/work /root/stage2/ && rm -f /root/stage2/work/checkpoint.pt
+        timeout "$t" python3 -m eaglespec train "${ARGS[@]}" --synth-seconds 0 --regen-seconds 0 \
+            --train-seconds "$ts" --stop-after train --lr "$LR2" --out /root/stage2 \
+            >"$OUT/log_train2" 2>&1 &
+    fi
     timeout "$t" python3 -m eaglespec train "${ARGS[@]}" --synth-seconds 0 --regen-seconds 0 \
-        --train-seconds "$((t - 60 < TRAIN_S ? t - 60 : TRAIN_S))" --stop-after train \
-        >"$OUT/log_train" 2>&1
+        --train-seconds "$ts" --stop-after train >"$OUT/log_train" 2>&1
     echo "train exit $? after $(($(date +%s) - T0)) s"
+    wait
     tail -12 "$OUT/log_train"
+    [ -n "${LR2:-}" ] && tail -4 "$OUT/log_train2"
     [ -f $W/model.safetensors ] && mkdir -p /root/ret/head \
         && cp $W/config.json $W/model.safetensors $W/train_report.json /root/ret/head/
+    [ -f /root/stage2/model.safetensors ] && mkdir -p /root/ret/head2 \
+        && cp /root/stage2/{config.json,model.safetensors,train_report.json} /root/ret/head2/
     tar -C /root/ret -cf - . | gzip -1 >/root/stage.tgz
     split -b 15M -d /root/stage.tgz "$OUT/stage.tgz.part"
     ls -la "$OUT"
