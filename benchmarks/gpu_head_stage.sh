@@ -22,7 +22,8 @@
 #   cp src/eaglespec/heads/smollm2-135m/{config.json,model.safetensors} .gpu/head
 #   cp ../shared/data/train/* .gpu/train
 # Back here: cat parts > stage.tgz; tar xzf stage.tgz (head/, data/, report_regen.json).
-# Stage 2 reads DATA (the prompt files' names), LR2 (a second head at that rate), SEED, SKIP and LIMIT (the GSM8K questions taken: --skip-per-file, --limit-per-file),
+# Stage 2 reads DATA (the prompt files' names), LR2 (a second head trained at that rate at the
+# same time), SEED, SKIP and LIMIT (the questions taken: --skip-per-file, --limit-per-file),
 # SYNTH_S, REGEN_S, TRAIN_S and TOTAL_S (seconds), and the sizes below from the environment.
 set -uo pipefail
 stage=$1
@@ -85,7 +86,7 @@ if [ "$stage" = 2 ]; then
     timeout "$t" python3 -m eaglespec train "${ARGS[@]}" --synth-seconds 0 --regen-seconds 0 \
         --train-seconds "$ts" --stop-after train >"$OUT/log_train" 2>&1
     echo "train exit $? after $(($(date +%s) - T0)) s"
-    wait
+    wait && [ -n "${LR2:-}" ] && echo "second head (LR2) done after $(($(date +%s) - T0)) s"
     tail -12 "$OUT/log_train"
     [ -n "${LR2:-}" ] && tail -4 "$OUT/log_train2"
     [ -f $W/model.safetensors ] && mkdir -p /root/ret/head \
