@@ -82,11 +82,15 @@ if [ "$stage" = 2 ]; then
         timeout "$t" python3 -m eaglespec train "${ARGS[@]}" --synth-seconds 0 --regen-seconds 0 \
             --train-seconds "$ts" --stop-after train --lr "$LR2" --out /root/stage2 \
             >"$OUT/log_train2" 2>&1 &
+        pid2=$!
     fi
     timeout "$t" python3 -m eaglespec train "${ARGS[@]}" --synth-seconds 0 --regen-seconds 0 \
         --train-seconds "$ts" --stop-after train >"$OUT/log_train" 2>&1
     echo "train exit $? after $(($(date +%s) - T0)) s"
-    wait && [ -n "${LR2:-}" ] && echo "second head (LR2) done after $(($(date +%s) - T0)) s"
+    if [ -n "${LR2:-}" ]; then
+        wait "$pid2"
+        echo "train (LR2) exit $? after $(($(date +%s) - T0)) s"
+    fi
     tail -12 "$OUT/log_train"
     [ -n "${LR2:-}" ] && tail -4 "$OUT/log_train2"
     [ -f $W/model.safetensors ] && mkdir -p /root/ret/head \
