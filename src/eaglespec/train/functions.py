@@ -18,11 +18,9 @@ writes FastChat-style records (`{"turns": [prompt], "source": ...}`) that `eagle
 
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
 import doctest
-import json
 import random
 import tempfile
 import textwrap
@@ -35,6 +33,7 @@ from pathlib import Path
 from eaglespec.errors import EaglespecError, InvalidRequestError
 from eaglespec.registry import pip_download
 from eaglespec.train.synth import COMPLETE
+from eaglespec.train.texts import prompt_file_parser, shuffled_records, write_records
 
 # The wheels read (pinned: the prompts a seed writes stay the same), all pure Python, with
 # docstrings that show examples the way HumanEval's prompts do.
@@ -137,15 +136,11 @@ def build(wheels: Sequence[Path], seed: int) -> list[dict[str, object]]:
     """Every prompt over every wheel's functions, shuffled by `seed`, as FastChat-style records."""
     rng = random.Random(f"{seed}:functions")
     functions = [f for w in wheels for f in wheel_functions(w)]
-    pairs = list(function_prompts(functions, rng))
-    rng.shuffle(pairs)
-    return [{"turns": [p], "source": s} for p, s in pairs]
+    return shuffled_records(list(function_prompts(functions, rng)), rng)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSONL file to write")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = prompt_file_parser(__doc__)
     ap.add_argument(
         "--wheel", type=Path, nargs="+", help="wheels already downloaded (default: WHEELS)"
     )
@@ -158,9 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             records = build(wheels, args.seed)
     except EaglespecError as e:  # offline, or a --wheel without functions: one line
         raise SystemExit(f"eaglespec.train.functions: error: {e}") from e
-    with args.out.open("w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    write_records(args.out, records)
     kinds = Counter(str(r["source"]).rsplit(":", 1)[1] for r in records)
     print(f"{len(records)} prompts to {args.out}: {dict(kinds)}")
 

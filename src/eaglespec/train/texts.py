@@ -171,19 +171,37 @@ def wiki_prompts(articles: list[Article], rng: random.Random) -> Iterator[tuple[
             i += n
 
 
+def shuffled_records(pairs: list[tuple[str, str]], rng: random.Random) -> list[dict[str, object]]:
+    """(prompt, source) pairs shuffled by `rng`, as FastChat-style records."""
+    rng.shuffle(pairs)
+    return [{"turns": [p], "source": s} for p, s in pairs]
+
+
+def write_records(path: Path, records: list[dict[str, object]]) -> None:
+    """The records as a JSONL prompt file `eaglespec train --data` reads."""
+    with path.open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def prompt_file_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a prompt file writer: --out and --seed."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
 def build(wheel: Path, seed: int) -> list[dict[str, object]]:
     """Every prompt of both corpora, shuffled by `seed`, as FastChat-style records."""
     stories, xml = read_wheel_texts(wheel)
     rng = random.Random(f"{seed}:texts")
     pairs = list(news_prompts(stories, rng)) + list(wiki_prompts(wiki_articles(xml), rng))
-    rng.shuffle(pairs)
-    return [{"turns": [p], "source": s} for p, s in pairs]
+    return shuffled_records(pairs, rng)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSONL file to write")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = prompt_file_parser(__doc__)
     ap.add_argument("--wheel", type=Path, help="a gensim wheel already downloaded")
     args = ap.parse_args(argv)
     try:
@@ -192,9 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             records = build(wheel, args.seed)
     except EaglespecError as e:  # offline, or --wheel not gensim's: one line, as the CLI says it
         raise SystemExit(f"eaglespec.train.texts: error: {e}") from e
-    with args.out.open("w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    write_records(args.out, records)
     kinds = Counter(str(r["source"]).split(":")[0] for r in records)
     print(f"{len(records)} prompts to {args.out}: {dict(kinds)}")
 
