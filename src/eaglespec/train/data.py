@@ -13,10 +13,13 @@ a draft trained on the target's own outputs accepts more (spec section 4).
 Prompt variants (`VARIANTS`) recast a prompt for another domain: "code" asks for a Python program
 that solves it, so math and instruction data also yield code-shaped responses. Applied to a
 deterministic share of the prompts, they are part of the recorded recipe.
+
+The prompt file writers (texts.py, functions.py) write FastChat questions (`write_records`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from collections.abc import Sequence
@@ -160,3 +163,24 @@ def _turns(rec: Any, where: str) -> list[list[str]]:
 def _paragraphs(text: str, name: str) -> list[Conversation]:
     parts = [p.strip() for p in text.split("\n\n")]
     return [Conversation((p,), f"{name}:{i + 1}") for i, p in enumerate(parts) if p]
+
+
+def shuffled_records(pairs: list[tuple[str, str]], rng: random.Random) -> list[dict[str, object]]:
+    """(prompt, source) pairs shuffled by `rng`, as FastChat-style records."""
+    rng.shuffle(pairs)
+    return [{"turns": [p], "source": s} for p, s in pairs]
+
+
+def write_records(path: Path, records: list[dict[str, object]]) -> None:
+    """The records as a JSONL prompt file `eaglespec train --data` reads."""
+    with path.open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def prompt_file_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a prompt file writer: --out and --seed."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap

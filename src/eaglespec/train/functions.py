@@ -32,8 +32,8 @@ from pathlib import Path
 
 from eaglespec.errors import EaglespecError, InvalidRequestError
 from eaglespec.registry import pip_download
+from eaglespec.train.data import prompt_file_parser, shuffled_records, write_records
 from eaglespec.train.synth import COMPLETE
-from eaglespec.train.texts import prompt_file_parser, shuffled_records, write_records
 
 # The wheels read (pinned: the prompts a seed writes stay the same), all pure Python, with
 # docstrings that show examples the way HumanEval's prompts do.
@@ -68,7 +68,7 @@ def _short_doc(doc: str) -> tuple[str, str]:
     return summary, "\n".join(lines)
 
 
-def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+def _signature(node: ast.FunctionDef) -> str:
     bare = copy.deepcopy(node)
     bare.decorator_list, bare.body = [], [ast.Pass()]
     return ast.unparse(bare).rsplit("\n", 1)[0]  # "def f(...):" without its "pass"
@@ -86,9 +86,7 @@ def module_functions(text: str, source: str) -> Iterator[Function]:
         doc = ast.get_docstring(node)
         if not doc or not doc.strip():
             continue
-        summary, short = _short_doc(doc)
-        if not summary:
-            continue
+        summary, short = _short_doc(doc)  # a summary: the docstring is not blank
         body = "\n".join("    " + line if line else "" for line in short.split("\n"))
         stub = f'{_signature(node)}\n    """{body.lstrip()}\n    """\n'
         code = copy.deepcopy(node)

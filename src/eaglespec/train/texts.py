@@ -20,10 +20,8 @@ writes FastChat-style records (`{"turns": [prompt], "source": ...}`) that `eagle
 
 from __future__ import annotations
 
-import argparse
 import bz2
 import html
-import json
 import random
 import re
 import tempfile
@@ -35,6 +33,7 @@ from pathlib import Path
 
 from eaglespec.errors import EaglespecError, InvalidRequestError
 from eaglespec.registry import pip_download
+from eaglespec.train.data import prompt_file_parser, shuffled_records, write_records
 
 GENSIM = "gensim==4.4.0"  # the wheel the corpora are read from (pinned: its members' names)
 LEE = "gensim/test/test_data/lee_background.cor"
@@ -169,27 +168,6 @@ def wiki_prompts(articles: list[Article], rng: random.Random) -> Iterator[tuple[
             if len(part) >= 60:
                 yield _opening(rng) + " ".join(part[:600]), f"wiki:{a.title}:{i}"
             i += n
-
-
-def shuffled_records(pairs: list[tuple[str, str]], rng: random.Random) -> list[dict[str, object]]:
-    """(prompt, source) pairs shuffled by `rng`, as FastChat-style records."""
-    rng.shuffle(pairs)
-    return [{"turns": [p], "source": s} for p, s in pairs]
-
-
-def write_records(path: Path, records: list[dict[str, object]]) -> None:
-    """The records as a JSONL prompt file `eaglespec train --data` reads."""
-    with path.open("w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-
-
-def prompt_file_parser(doc: str) -> argparse.ArgumentParser:
-    """The command line of a prompt file writer: --out and --seed."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSONL file to write")
-    ap.add_argument("--seed", type=int, default=0)
-    return ap
 
 
 def build(wheel: Path, seed: int) -> list[dict[str, object]]:
