@@ -115,7 +115,7 @@ def test_build_reads_wheels_and_writes_prompts_the_trainer_reads(tmp_path: Path)
         tmp_path / "pkg-0-py3-none-any.whl",
         {"pkg/mod.py": MODULE, "pkg/tests/test_mod.py": MODULE, "pkg/broken.py": "def (:"},
     )
-    out = tmp_path / "functions.jsonl"
+    out = tmp_path / "new" / "functions.jsonl"  # --out's folder is made
     functions.main(["--out", str(out), "--wheel", str(wheel), "--seed", "3"])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 4  # two functions, two prompts each; tests and bad syntax skipped

@@ -92,7 +92,7 @@ def test_build_reads_a_wheel_and_writes_prompts_the_trainer_reads(tmp_path: Path
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(texts.LEE, "\n".join(stories) + "\n")
         z.writestr(texts.WIKI, bz2.compress(xml.encode()))
-    out = tmp_path / "texts.jsonl"
+    out = tmp_path / "new" / "texts.jsonl"  # --out's folder is made
     texts.main(["--out", str(out), "--wheel", str(wheel), "--seed", "3"])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert {r["source"] for r in records} >= {"lee:0", "lee:1", "wiki:Albedo:lead", "wiki:Albedo:q"}

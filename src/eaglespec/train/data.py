@@ -172,7 +172,8 @@ def shuffled_records(pairs: list[tuple[str, str]], rng: random.Random) -> list[d
 
 
 def write_records(path: Path, records: list[dict[str, object]]) -> None:
-    """The records as a JSONL prompt file `eaglespec train --data` reads."""
+    """The records as a JSONL prompt file `eaglespec train --data` reads; a new folder is made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
