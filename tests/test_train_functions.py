@@ -134,3 +134,51 @@ def test_a_wheel_without_functions_is_named_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="missing.whl: not a wheel"):
         functions.main(["--out", str(out), "--wheel", str(tmp_path / "missing.whl")])
     assert not out.exists()  # nothing half-written
+
+
+def test_libraries_names_the_wheels_downloaded_in_their_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[str] = []
+
+    def download(spec: str, dest: Path, extra: list[str]) -> Path:
+        asked.append(spec)
+        name = spec.split("==")[0]
+        return _wheel(tmp_path / f"{name}-0-py3-none-any.whl", {f"{name}/mod.py": MODULE})
+
+    monkeypatch.setattr(functions, "pip_download", download)
+    out = tmp_path / "functions.jsonl"
+    functions.main(["--out", str(out), "--libraries", "networkx", "pydash"])
+    assert asked == [functions.LIBRARIES["pydash"], functions.LIBRARIES["networkx"]]
+    sources = {json.loads(line)["source"].split("/")[0] for line in out.read_text().splitlines()}
+    assert sources == {"pydash", "networkx"}
+    asked.clear()
+    functions.main(["--out", str(out)])  # the default: every library
+    assert asked == list(functions.LIBRARIES.values())
+    with pytest.raises(SystemExit):
+        functions.main(["--out", str(out), "--libraries", "numpy"])  # not a pinned library
+
+
+def test_exclude_leaves_out_the_prompts_an_earlier_file_asked(tmp_path: Path) -> None:
+    wheel = _wheel(tmp_path / "pkg-0-py3-none-any.whl", {"pkg/mod.py": MODULE})
+    first, again = tmp_path / "first.jsonl", tmp_path / "again.jsonl"
+    functions.main(["--out", str(first), "--wheel", str(wheel), "--seed", "3"])
+    records = [json.loads(line) for line in first.read_text().splitlines()]
+    earlier = tmp_path / "earlier.jsonl"  # an earlier stage asked two of the four
+    earlier.write_text("".join(json.dumps({"turns": r["turns"]}) + "\n" for r in records[1:3]))
+    functions.main(
+        ["--out", str(again), "--wheel", str(wheel), "--seed", "3", "--exclude", str(earlier)]
+    )
+    kept = [json.loads(line) for line in again.read_text().splitlines()]
+    assert kept == [records[0], records[3]]  # the rest, in their order
+    with pytest.raises(SystemExit, match="cannot read training data .*missing.jsonl"):
+        functions.main(
+            [
+                "--out",
+                str(again),
+                "--wheel",
+                str(wheel),
+                "--exclude",
+                str(tmp_path / "missing.jsonl"),
+            ]
+        )

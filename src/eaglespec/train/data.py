@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,9 +180,45 @@ def write_records(path: Path, records: list[dict[str, object]]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def unseen_records(
+    records: list[dict[str, object]], seen: Sequence[Path]
+) -> list[dict[str, object]]:
+    """The records whose first prompt is in none of the `seen` prompt files: a stage that
+    continues a head asks what the earlier stages' files (written again from their commands) did
+    not, since answers to the same prompts teach nothing new."""
+    asked = {c.turns[0] for path in seen for c in read_conversations(path)}
+    return [r for r in records if r["turns"][0] not in asked]  # type: ignore[index]
+
+
+def write_prompt_file(
+    prog: str,
+    args: argparse.Namespace,
+    records: list[dict[str, object]],
+    kind: Callable[[str], str],
+) -> None:
+    """A prompt file writer's end: the records not in --exclude's files to --out, and a line of
+    how many of each kind (`kind` of a record's source) were written."""
+    try:
+        kept = unseen_records(records, args.exclude)
+    except InvalidRequestError as e:  # an --exclude file that cannot be read: one line
+        raise SystemExit(f"{prog}: error: {e}") from e
+    write_records(args.out, kept)
+    kinds = Counter(kind(str(r["source"])) for r in kept)
+    left = f" ({len(records) - len(kept)} left out: in --exclude's files)" if args.exclude else ""
+    print(f"{len(kept)} prompts to {args.out}{left}: {dict(kinds)}")
+
+
 def prompt_file_parser(doc: str) -> argparse.ArgumentParser:
-    """The command line of a prompt file writer: --out and --seed."""
+    """The command line of a prompt file writer: --out, --seed and --exclude."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--exclude",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="prompt files whose prompts are left out (an earlier stage's files)",
+    )
     return ap

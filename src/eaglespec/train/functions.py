@@ -10,7 +10,12 @@ first paragraph and up to three doctest examples (`stub`), asked for as "Complet
 provided." (the prompt `--completions` writes over the target's own answers), and one more
 request picked by the seed: write it from its description, or explain its code.
 
-    python -m eaglespec.train.functions --out functions.jsonl [--seed 0]
+    python -m eaglespec.train.functions --out functions.jsonl [--seed 0] [--libraries pydash ...]
+
+The seed only picks each function's second request, so a later stage that wants prompts it has not
+answered before needs functions it has not seen: libraries are added to LIBRARIES over time, and
+`--libraries` names the ones a file is written from (the first four write the file of the stages
+that read only those, byte for byte).
 
 writes FastChat-style records (`{"turns": [prompt], "source": ...}`) that `eaglespec train
 --data` reads like any prompt file.
@@ -25,19 +30,28 @@ import random
 import tempfile
 import textwrap
 import zipfile
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from eaglespec.errors import EaglespecError, InvalidRequestError
 from eaglespec.registry import pip_download
-from eaglespec.train.data import prompt_file_parser, shuffled_records, write_records
+from eaglespec.train.data import prompt_file_parser, shuffled_records, write_prompt_file
 from eaglespec.train.synth import COMPLETE
 
-# The wheels read (pinned: the prompts a seed writes stay the same), all pure Python, with
-# docstrings that show examples the way HumanEval's prompts do.
-WHEELS = ("pydash==8.0.4", "more-itertools==10.5.0", "boltons==24.1.0", "toolz==1.0.0")
+# The wheels read, by name (pinned: the prompts a seed writes stay the same), all pure Python,
+# with docstrings that show examples the way HumanEval's prompts do (networkx: 986 functions, 597
+# of them with examples; funcy's are described without examples). New libraries go at the end.
+LIBRARIES = {
+    "pydash": "pydash==8.0.4",
+    "more-itertools": "more-itertools==10.5.0",
+    "boltons": "boltons==24.1.0",
+    "toolz": "toolz==1.0.0",
+    "networkx": "networkx==3.4.2",
+    "funcy": "funcy==2.0",
+    "inflection": "inflection==0.5.1",
+    "humanize": "humanize==4.11.0",
+}
 MAX_EXAMPLES = 3  # doctest examples kept in a stub's docstring
 MAX_SOURCE_LINES = 40  # longer functions are not asked to be explained
 WRITE = "Write a Python function named {name} for this description: {summary}"
@@ -140,20 +154,29 @@ def build(wheels: Sequence[Path], seed: int) -> list[dict[str, object]]:
 def main(argv: list[str] | None = None) -> None:
     ap = prompt_file_parser(__doc__)
     ap.add_argument(
-        "--wheel", type=Path, nargs="+", help="wheels already downloaded (default: WHEELS)"
+        "--wheel",
+        type=Path,
+        nargs="+",
+        help="wheels already downloaded, read instead of --libraries'",
+    )
+    ap.add_argument(
+        "--libraries",
+        nargs="+",
+        choices=list(LIBRARIES),
+        default=list(LIBRARIES),
+        help="the pinned libraries downloaded and read, in LIBRARIES' order (default: all)",
     )
     args = ap.parse_args(argv)
+    specs = [spec for name, spec in LIBRARIES.items() if name in args.libraries]
     try:
         with tempfile.TemporaryDirectory() as tmp:
             wheels = args.wheel or [
-                pip_download(spec, Path(tmp) / str(i), []) for i, spec in enumerate(WHEELS)
+                pip_download(spec, Path(tmp) / str(i), []) for i, spec in enumerate(specs)
             ]
             records = build(wheels, args.seed)
     except EaglespecError as e:  # offline, or a --wheel without functions: one line
         raise SystemExit(f"eaglespec.train.functions: error: {e}") from e
-    write_records(args.out, records)
-    kinds = Counter(str(r["source"]).rsplit(":", 1)[1] for r in records)
-    print(f"{len(records)} prompts to {args.out}: {dict(kinds)}")
+    write_prompt_file("eaglespec.train.functions", args, records, lambda s: s.rsplit(":", 1)[1])
 
 
 if __name__ == "__main__":

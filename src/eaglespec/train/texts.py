@@ -32,14 +32,13 @@ import re
 import string
 import tempfile
 import zipfile
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from eaglespec.errors import EaglespecError, InvalidRequestError
 from eaglespec.registry import pip_download
-from eaglespec.train.data import prompt_file_parser, shuffled_records, write_records
+from eaglespec.train.data import prompt_file_parser, shuffled_records, write_prompt_file
 
 # The wheels the corpora are read from (pinned: their members' names and contents)
 GENSIM = "gensim==4.4.0"
@@ -310,9 +309,7 @@ def main(argv: list[str] | None = None) -> None:
             records = build(gensim, scatter, args.seed, corpora)
     except EaglespecError as e:  # offline, or a wheel without its corpora: one line
         raise SystemExit(f"eaglespec.train.texts: error: {e}") from e
-    write_records(args.out, records)
-    kinds = Counter(str(r["source"]).split(":")[0] for r in records)
-    print(f"{len(records)} prompts to {args.out}: {dict(kinds)}")
+    write_prompt_file("eaglespec.train.texts", args, records, lambda s: s.split(":")[0])
 
 
 if __name__ == "__main__":
