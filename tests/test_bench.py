@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from eaglespec.bench.aggregate import check_lossless, first_difference, method_stats, summarize
+from eaglespec.bench.aggregate import (
+    check_lossless,
+    first_difference,
+    method_stats,
+    shape_shares,
+    summarize,
+)
 from eaglespec.bench.command import command_line
 from eaglespec.bench.lineup import BenchMethod, DraftSources, check_methods, default_methods
 from eaglespec.bench.memory import memory_meter
@@ -119,6 +125,17 @@ def test_results_schema_and_values(bench_run: Path) -> None:
             )
             # each round lands its accepted drafts and one target token after the prefill's
             assert all(g["new_tokens"] <= 1 + g["rounds"] + g["accepted_tokens"] for g in mine)
+            # every round is counted under the one shape a fixed method runs
+            shape = "tree2,2,3" if "tree" in name else "chain3"
+            for g in mine:
+                one = g["shapes"][shape]
+                assert list(g["shapes"]) == [shape] and one["rounds"] == g["rounds"]
+                assert one["tokens"] == g["accepted_tokens"] + g["rounds"]
+                assert one["seconds"] == pytest.approx(g["draft_seconds"] + g["verify_seconds"])
+            share = summary[name]["shapes"][shape]
+            assert share["share"] == 1.0 and share["rounds"] == rounds
+            assert share["tokens_per_round"] == pytest.approx((accepted + rounds) / rounds)
+    assert summary["plain"]["shapes"] == {}
     assert all(g["matches_plain"] for g in gens)
     assert [g["turn"] for g in gens if g["question_id"] == 1 and g["method"] == "plain"] == [0, 1]
 
@@ -129,6 +146,9 @@ def test_report_and_plots_are_written(bench_run: Path) -> None:
     assert _results(bench_run)["command"] in report
     for name in METHODS:
         assert f"| {name} |" in report
+    assert (
+        "### Rounds by draft shape" in report and "| eagle3-tree | tree2,2,3 | 100.0% |" in report
+    )
     for png in ("speedup.png", "accept_length.png", "accept_rate.png"):
         data = (bench_run / png).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000
@@ -293,3 +313,22 @@ def test_tree_shape_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     argv = ["bench", "--questions", str(questions), "--tree", "4,x,2", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     assert "--tree takes comma-separated integers, got '4,x,2'" in capsys.readouterr().err
+
+
+def test_rounds_are_counted_by_the_shape_that_ran_them() -> None:
+    # An adaptive run: chain1 lands 2, 1, 2 tokens in 10, 10, 12 ms; chain0 lands 1 in 6 ms,
+    # over two generations whose shapes are summed.
+    a, b = GenerationStats(3), GenerationStats(3)
+    a.record_round(1, 1, 0.004, 0.006, "chain1")
+    a.record_round(1, 0, 0.004, 0.006, "chain1")
+    a.record_round(0, 0, 0.001, 0.005, "chain0")
+    b.record_round(1, 1, 0.004, 0.008, "chain1")
+    assert a.shapes["chain1"].rounds == 2 and a.shapes["chain1"].tokens == 3
+    assert a.rounds == 3 and a.accepted_tokens == 1  # the totals are counted as before
+    shares = shape_shares([a.shapes, b.shapes])
+    assert list(shares) == ["chain1", "chain0"]  # most rounds first
+    assert shares["chain1"].rounds == 3 and shares["chain1"].share == pytest.approx(0.75)
+    assert shares["chain1"].tokens_per_round == pytest.approx(5 / 3)
+    assert shares["chain1"].ms_per_round == pytest.approx(32 / 3)
+    assert shares["chain0"].tokens_per_round == 1.0 and shares["chain0"].ms_per_round == 6.0
+    assert shape_shares([{}, {}]) == {}  # plain decoding: no rounds

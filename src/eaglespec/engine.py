@@ -265,10 +265,15 @@ class BatchRunner:
         tops = [s.params.logprobs for s in self.seqs]
         result = speculate_round(self.target, self.proposer, self.batch, num_draft, tree, tops)
         now = time.perf_counter()
+        shape = DraftChoice(num_draft, tree).name
         events, keep = [], []
         for row, seq in enumerate(self.seqs):
             seq.out.stats.record_round(
-                result.drafted, result.accepted[row], result.draft_seconds, result.verify_seconds
+                result.drafted,
+                result.accepted[row],
+                result.draft_seconds,
+                result.verify_seconds,
+                shape,
             )
             account_time(seq.out.stats, seq.started, now)
             lps = None if result.logprobs is None else result.logprobs[row]

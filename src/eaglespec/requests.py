@@ -17,6 +17,15 @@ from eaglespec.tokenizer import Tokenizer
 
 
 @dataclass
+class ShapeStats:
+    """The rounds of one draft shape (a policy's arm: "chain1", "tree4,4,16") in a generation."""
+
+    rounds: int = 0
+    tokens: int = 0  # tokens the rounds landed: accepted drafts plus each round's bonus token
+    seconds: float = 0.0  # their drafting and verification time
+
+
+@dataclass
 class GenerationStats:
     prompt_tokens: int
     new_tokens: int = 0
@@ -30,6 +39,8 @@ class GenerationStats:
     proposed_by_position: list[int] = field(default_factory=list)  # [j]: rounds proposing >= j+1
     draft_seconds: float = 0.0  # of decode_seconds: drafting and the draft's catch-up
     verify_seconds: float = 0.0  # of decode_seconds: target forwards, verification, host syncs
+    # The rounds by the shape a policy chose for them (the adaptive policy's arms), by name.
+    shapes: dict[str, ShapeStats] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -49,8 +60,18 @@ class GenerationStats:
         ]
 
     def record_round(
-        self, proposed: int, accepted: int, draft_seconds: float = 0.0, verify_seconds: float = 0.0
+        self,
+        proposed: int,
+        accepted: int,
+        draft_seconds: float = 0.0,
+        verify_seconds: float = 0.0,
+        shape: str | None = None,
     ) -> None:
+        if shape is not None:
+            arm = self.shapes.setdefault(shape, ShapeStats())
+            arm.rounds += 1
+            arm.tokens += accepted + 1
+            arm.seconds += draft_seconds + verify_seconds
         self.rounds += 1
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds

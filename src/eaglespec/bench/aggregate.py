@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from eaglespec.bench.lineup import PLAIN, REFERENCE_ENGINES
 from eaglespec.bench.questions import Question
 from eaglespec.bench.runner import Generation
+from eaglespec.requests import ShapeStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,17 @@ class RoundTime:
 
 
 @dataclass(frozen=True, slots=True)
+class ShapeShare:
+    """A method's rounds of one draft shape (the adaptive policy's arms; a fixed method has
+    one): how often it ran, what it landed and what it cost."""
+
+    rounds: int
+    share: float  # of the method's rounds
+    tokens_per_round: float  # accepted drafts plus the bonus token
+    ms_per_round: float  # drafting and verification (without the round's other bookkeeping)
+
+
+@dataclass(frozen=True, slots=True)
 class MethodStats:
     generations: int
     new_tokens: int
@@ -69,6 +81,7 @@ class MethodStats:
     round_time: RoundTime | None  # None when there was no round
     peak_memory_bytes: int  # the largest of its generations' peaks
     lossless: LosslessCheck
+    shapes: dict[str, ShapeShare]  # by shape name, most rounds first; empty without rounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +177,29 @@ def method_stats(
         round_time=round_time,
         peak_memory_bytes=max((g.peak_memory_bytes for g in gens), default=0),
         lossless=check_lossless(gens, plain, questions, greedy, reference),
+        shapes=shape_shares([s.shapes for s in stats]),
     )
+
+
+def shape_shares(per_generation: Sequence[dict[str, ShapeStats]]) -> dict[str, ShapeShare]:
+    """The generations' rounds summed by draft shape, most rounds first."""
+    total: dict[str, ShapeStats] = {}
+    for shapes in per_generation:
+        for name, one in shapes.items():
+            t = total.setdefault(name, ShapeStats())
+            t.rounds, t.tokens, t.seconds = (
+                t.rounds + one.rounds,
+                t.tokens + one.tokens,
+                t.seconds + one.seconds,
+            )
+    rounds = sum(t.rounds for t in total.values())
+    return {
+        name: ShapeShare(
+            t.rounds, t.rounds / rounds, t.tokens / t.rounds, t.seconds / t.rounds * 1e3
+        )
+        for name, t in sorted(total.items(), key=lambda kv: -kv[1].rounds)
+        if t.rounds
+    }
 
 
 def summarize(

@@ -99,6 +99,24 @@ def summary_table(overall: dict[str, MethodStats]) -> str:
     return "\n".join(rows)
 
 
+def shape_table(overall: dict[str, MethodStats]) -> str:
+    """Each drafting method's rounds by draft shape: the adaptive policy's choices beside the
+    fixed methods' one shape, each at its tokens a round and drafting + verification time."""
+    rows = [
+        "| method | shape | share of rounds | tokens a round | ms a round (draft + verify) "
+        "| tokens per draft + verify second |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in overall.items():
+        for shape, one in s.shapes.items():
+            rate = one.tokens_per_round / one.ms_per_round * 1e3 if one.ms_per_round else 0.0
+            rows.append(
+                f"| {name} | {shape} | {one.share:.1%} | {one.tokens_per_round:.2f} "
+                f"| {one.ms_per_round:.1f} | {rate:.0f} |"
+            )
+    return "\n".join(rows)
+
+
 def ab_table(
     overall: dict[str, MethodStats], extra: tuple[str, Callable[[str], str]] | None = None
 ) -> str:
@@ -193,6 +211,19 @@ def render_report(
         summary_table(summary.overall),
         "",
         *reference_lines(summary.overall),
+        *(
+            [
+                "### Rounds by draft shape",
+                "",
+                "The shape each round ran (the adaptive policy's arms, by the length it asked "
+                "for; a gated chain may draft fewer).",
+                "",
+                shape_table(summary.overall),
+                "",
+            ]
+            if any(summary.overall[m].shapes for m in drafting)
+            else []
+        ),
         "## Methods",
         "",
         *[f"- **{name}**: {descriptions[name]}" for name in names],

@@ -58,6 +58,7 @@ def generation_record(
         "draft_tokens": s.draft_tokens,
         "draft_seconds": s.draft_seconds,
         "verify_seconds": s.verify_seconds,
+        "shapes": {name: asdict(one) for name, one in s.shapes.items()},
         "peak_memory_bytes": g.peak_memory_bytes,
         "matches_plain": None if ref is None else first_difference(g.output.token_ids, ref) is None,
     }
