@@ -14,7 +14,7 @@ from eaglespec.bench.aggregate import summarize
 from eaglespec.bench.lineup import PLAIN, BenchMethod
 from eaglespec.bench.memory import memory_meter
 from eaglespec.bench.questions import read_all
-from eaglespec.bench.report import ab_table
+from eaglespec.bench.report import ab_table, shape_table
 from eaglespec.bench.runner import RunSettings, run_benchmark
 from eaglespec.model.loader import LoadedModel
 
@@ -39,7 +39,8 @@ def run_ab(
 ) -> None:  # fmt: skip
     """Greedy answers to the first `limit` questions of each file by every method, interleaved
     per question; prints plain decoding's speed and the A/B table (tokens a round, speed over
-    plain decoding, whether every output equals plain greedy decoding's)."""
+    plain decoding, whether every output equals plain greedy decoding's), then each method's
+    rounds by draft shape (the adaptive policies' picks)."""
     questions = read_all(files, limit)
     settings = RunSettings(max_tokens=max_tokens, temperature=0.0, seed=0)
     gens = run_benchmark(target, methods, questions, settings, memory_meter(target.model.device))
@@ -47,3 +48,5 @@ def run_ab(
     plain = stats.overall[PLAIN]
     print(f"{plain.generations} turns, plain {plain.tokens_per_second:.1f} tokens/s")
     print(ab_table(stats.overall))
+    print()
+    print(shape_table(stats.overall))

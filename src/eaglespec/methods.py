@@ -140,16 +140,13 @@ def speculation_policy(
     mode: str, num_draft: int, tree: TreeConfig | None, proposer: Proposer | None
 ) -> DraftPolicy:
     """The draft policy the commands run for `proposer` (None: plain decoding): make_policy
-    told whether the proposer grafts candidates into every round and whether its head stops
-    chains where it doubts them."""
-    head = proposer.head if isinstance(proposer, HybridProposer) else proposer
+    told whether the proposer grafts candidates into every round."""
     return make_policy(
         mode,
         num_draft,
         tree,
         has_draft=proposer is not None,
         grafts=isinstance(proposer, GraftingProposer),
-        gated=isinstance(head, Eagle3Proposer) and head.min_prob > 0,
     )
 
 

@@ -6,9 +6,18 @@ The adaptive policy maximises expected tokens per second for the current batch s
     tokens(k) = 1 + sum_{j=1..k} P(accept >= j)      a chain of k drafts (the 1 is the bonus)
     rate(k)   = tokens(k) / seconds(B, k)            per row, per second of wall time
 
-P(accept >= j) is estimated from every row of every round that proposed at least j tokens
+P(accept >= j) is estimated from every row of every round whose arm asked for at least j tokens
 (acceptance counts per draft position, with a Beta(1, 1) prior and exponential forgetting, so the
-estimate follows the traffic). seconds(B, k) is a moving average of measured round times, per
+estimate follows the traffic; a draft a gated head declined counts as not accepted), pooled over
+the arms: every chain round teaches every chain arm, so no arm is judged on the few rounds it ran
+itself. A position only longer chains ask for is refreshed by a probe round of the next longer
+chain every `probe_every` rounds of a shorter one. With a proposer that grafts its own
+candidates into every round (prompt lookup), a chain of k can land more than k + 1 tokens:
+tokens(k) adds the arm's measured surplus (accepted tokens beyond its k, a moving average over
+its own rounds: lookup keys its graft on a chain of one's draft, so a chain of one lands more
+beyond its length than a chain of four), and the zero-draft arm, all graft, is valued at what
+it landed.
+seconds(B, k) is a moving average of measured round times, per
 power-of-two bucket of B, since verifying k + 1 tokens for B rows costs more as B grows. An EAGLE-2
 tree configured beside the chains is one more arm with its own measured tokens per round.
 
@@ -22,7 +31,13 @@ round of an arm at a bucket is a warm-up whose time is not kept (first calls all
 compiled step compiles that shape), and while
 drafting is off a probe round every `probe_every` rounds keeps the acceptance estimate from going
 stale. This is the cost model the server runs; nothing in it is a constant guessed for a machine
-(the margin is a tolerance for noise, not a cost).
+(the margin is a tolerance for noise, not a cost). Among the drafting arms the shortest whose
+expected rate is within LONGER_LEAN (5%) of the best runs: the model credits a longer chain with
+every position's pooled acceptance, but a longer chain's rounds land less than that where it
+counts (prompt lookup keys its graft on a chain of one's draft only, draft/hybrid.py), and an
+estimate within a few percent of another is noise; on SmolLM2's six sets the default ran gated
+chains of 4 in 76-97% of its rounds at 2.00-2.12 tokens against the chain of one's 2.17
+(BENCHMARKS.md, session 52).
 """
 
 from __future__ import annotations
@@ -37,6 +52,8 @@ from eaglespec.errors import InvalidRequestError
 SPECULATION_MODES = ("adaptive", "on", "off")
 # How much faster than plain decoding steps a drafting arm must look (a tolerance for noise)
 PLAIN_MARGIN = 0.05
+# How much faster a longer drafting arm must look than a shorter one to run instead of it
+LONGER_LEAN = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +109,12 @@ class ScriptedDraft:
 class _Arm:
     seconds: dict[int, float] = field(default_factory=dict)  # batch bucket -> EMA round seconds
     tokens: float | None = None  # EMA tokens per row per round (trees only)
+    # EMA tokens a row accepted beyond the chain's length (a graft's continuation; chains only)
+    surplus: float | None = None
     # Buckets whose first round this policy has seen: that round is not timed (warm-up).
     warmed: set[int] = field(default_factory=set)
+    timed: dict[int, int] = field(default_factory=dict)  # batch bucket -> rounds timed
+    rounds: int = 0  # rounds whose tokens were observed
 
 
 class AdaptiveDraft:
@@ -109,11 +130,15 @@ class AdaptiveDraft:
         probe_every: int = 32,
         margin: float = PLAIN_MARGIN,
         measure_tokens: bool = False,
+        lean: float = LONGER_LEAN,
     ) -> None:
-        """`measure_tokens`: every arm's tokens per round is its measured moving average, not
-        the chain model's 1 + sum P(accept >= j) (which counts the chain's own drafts only): for
-        a proposer that grafts candidates of its own into every round (draft/hybrid.py), a
-        chain of k can land more than k + 1 tokens and a zero-draft round more than one."""
+        """`measure_tokens`: the zero-draft arm's tokens per round is its measured moving
+        average, not 1: for a proposer that grafts candidates of its own into every round
+        (draft/hybrid.py) a zero-draft round lands what the grafts do. Chains of k >= 1 are
+        always valued by the pooled model plus the surplus (module doc): measured one arm at a
+        time, an arm judged on its first unlucky rounds (a response's opening tokens accept
+        little) was never run again, and the default ran the arm that happened to look best
+        (BENCHMARKS.md, session 52)."""
         if max_draft < 1:
             raise InvalidRequestError(f"adaptive drafting needs max_draft >= 1, got {max_draft}")
         self.max_draft = max_draft
@@ -130,9 +155,12 @@ class AdaptiveDraft:
         self.forget = forget  # per-row decay of the acceptance counts
         self.probe_every = probe_every
         self.margin = margin  # how much faster than the zero-draft arm a drafting arm must look
+        self.lean = lean  # how much faster than a shorter drafting arm a longer one must look
         self.proposed = [0.0] * max_draft  # [j]: rows that proposed >= j + 1 (decayed)
         self.accepted = [0.0] * max_draft  # [j]: rows that accepted >= j + 1 (decayed)
         self.rounds_without_drafts = 0
+        self.rounds_below_longest = 0  # rounds of a chain shorter than max_draft since a probe
+        self.probe_shorter = True  # probes alternate: the next longer chain, the next shorter
         self.measure_tokens = measure_tokens
 
     def accept_prob(self, j: int) -> float:
@@ -144,9 +172,10 @@ class AdaptiveDraft:
         tokens = self.arms[choice].tokens
         if choice.tree is not None:
             return tokens if tokens is not None else self.expected_tokens(DraftChoice(1))
-        if self.measure_tokens and tokens is not None:
-            return tokens
-        return 1.0 + sum(self.accept_prob(j) for j in range(choice.num_draft))
+        if choice.num_draft == 0:
+            return tokens if self.measure_tokens and tokens is not None else 1.0
+        drafts = sum(self.accept_prob(j) for j in range(choice.num_draft))
+        return 1.0 + drafts + (self.arms[choice].surplus or 0.0)
 
     def choose(self, batch: int) -> DraftChoice:
         bucket = _bucket(batch)
@@ -160,9 +189,22 @@ class AdaptiveDraft:
                 self.rounds_without_drafts = 0
                 drafting = [c for c in self.choices if c.num_draft or c.tree]
                 return max(drafting, key=lambda c: self.rate(c, bucket))
-        else:
-            self.rounds_without_drafts = 0
+            return best
+        self.rounds_without_drafts = 0
+        if best.tree is None and best.num_draft < self.max_draft:
+            self.rounds_below_longest += 1
+            if self.rounds_below_longest >= self.probe_every:  # refresh the next position's
+                self.rounds_below_longest = 0  # acceptance (only longer chains ask for it), or
+                self.probe_shorter = not self.probe_shorter  # the shorter arm's time
+                if self.probe_shorter and best.num_draft > 1:
+                    return self.choices[best.num_draft - 1]
+                return self.choices[best.num_draft + 1]
         return best
+
+    def _weight(self, n: int) -> float:
+        """A moving average's weight for its n-th value: the plain mean until 1 / smoothing
+        values, so an arm measured a few times is not held to its first, unlucky rounds."""
+        return max(self.smoothing, 1.0 / n)
 
     def best(self, batch: int) -> DraftChoice | None:
         """The arm this policy runs at this batch size once it has measured them all (its
@@ -174,10 +216,12 @@ class AdaptiveDraft:
         return self._pick(bucket)
 
     def _pick(self, bucket: int) -> DraftChoice:
-        """The highest expected rate, unless it beats the zero-draft arm by less than the
+        """The shortest drafting arm within `lean` of the best drafting arm's expected rate
+        (chains by length, then the tree), unless it beats the zero-draft arm by less than the
         margin (every arm measured at `bucket`)."""
-        best = max(self.choices, key=lambda c: self.rate(c, bucket))
-        plain = self.choices[0]
+        plain, drafting = self.choices[0], self.choices[1:]
+        top = max(self.rate(c, bucket) for c in drafting)
+        best = next(c for c in drafting if (1 + self.lean) * self.rate(c, bucket) >= top)
         if self.rate(best, bucket) < (1 + self.margin) * self.rate(plain, bucket):
             best = plain  # drafting must beat plain steps clearly, not within round-time noise
         return best
@@ -199,14 +243,21 @@ class AdaptiveDraft:
         bucket = _bucket(batch)
         if bucket in arm.warmed:
             old = arm.seconds.get(bucket)
-            arm.seconds[bucket] = seconds if old is None else _mix(old, seconds, self.smoothing)
+            n = arm.timed[bucket] = arm.timed.get(bucket, 0) + 1
+            arm.seconds[bucket] = seconds if old is None else _mix(old, seconds, self._weight(n))
         else:  # its first round here pays first-call costs (a compile of its shape: minutes)
             arm.warmed.add(bucket)
         if choice.tree is not None or self.measure_tokens:
             mean = 1.0 + sum(accepted) / max(1, len(accepted))
-            arm.tokens = mean if arm.tokens is None else _mix(arm.tokens, mean, self.smoothing)
+            w = self._weight(arm.rounds + 1)
+            arm.tokens = mean if arm.tokens is None else _mix(arm.tokens, mean, w)
+        arm.rounds += 1
         if choice.tree is not None:
             return
+        if choice.num_draft and accepted:
+            beyond = sum(max(0, a - choice.num_draft) for a in accepted) / len(accepted)
+            old = arm.surplus
+            arm.surplus = beyond if old is None else _mix(old, beyond, self._weight(arm.rounds))
         for a in accepted:
             for j in range(self.max_draft):
                 self.proposed[j] *= self.forget
@@ -217,10 +268,12 @@ class AdaptiveDraft:
 
     def record(self, choice: DraftChoice, batch: int, seconds: float, tokens: float) -> None:
         """Set an arm's measured mean round time at this batch size (and, for the tree or when
-        tokens are measured, its mean tokens per round), replacing the moving averages: what a
-        calibration run measured."""
+        tokens are measured, its mean tokens per round, which values the tree and the zero-draft
+        arm), replacing the moving averages: what a calibration run measured."""
         arm = self.arms[choice]
         arm.seconds[_bucket(batch)] = seconds
+        settled = round(1 / self.smoothing)  # a mean: later rounds move it as a moving average
+        arm.timed[_bucket(batch)] = arm.rounds = settled
         if choice.tree is not None or self.measure_tokens:
             arm.tokens = tokens
 
@@ -235,6 +288,7 @@ class AdaptiveDraft:
                     "choice": c.name,
                     "seconds": {str(b): s for b, s in self.arms[c].seconds.items()},
                     "tokens": self.arms[c].tokens,
+                    "surplus": self.arms[c].surplus,
                 }
                 for c in self.choices
             ],
@@ -252,6 +306,10 @@ class AdaptiveDraft:
             if choice is not None:
                 self.arms[choice].seconds = {int(b): float(s) for b, s in arm["seconds"].items()}
                 self.arms[choice].tokens = arm["tokens"]
+                self.arms[choice].surplus = arm.get("surplus")
+                settled = round(1 / self.smoothing)  # stored means move as moving averages
+                self.arms[choice].timed = {b: settled for b in self.arms[choice].seconds}
+                self.arms[choice].rounds = settled
 
 
 DraftPolicy = FixedDraft | AdaptiveDraft
@@ -264,21 +322,19 @@ def make_policy(
     has_draft: bool,
     *,
     grafts: bool = False,
-    gated: bool = False,
 ) -> DraftPolicy:
     """`mode` "adaptive", "on" (the configured shape every round) or "off"; without a draft only
-    "off" runs. `grafts`: the proposer adds candidates to every round (measure each arm's
-    tokens, AdaptiveDraft's `measure_tokens`, and no margin over the zero-draft arm, which then
-    drafts too). `gated`: the proposer drafts fewer tokens than a chain arm asks where it doubts
-    them (Eagle3Proposer's min_prob), so an arm's tokens are measured too, not modelled."""
+    "off" runs. `grafts`: the proposer adds candidates to every round (measure the zero-draft
+    arm's tokens, AdaptiveDraft's `measure_tokens`, and no margin over it, since it then drafts
+    too). A gated head (Eagle3Proposer's min_prob) needs nothing more: a draft it declines counts
+    as not accepted at its position, so the chain model values gated arms at what they land."""
     check_policy_args(mode, num_draft, tree, has_draft=has_draft)
     if mode == "off" or not has_draft:
         return FixedDraft(DraftChoice(0))
     if mode == "on":
         return FixedDraft(DraftChoice(num_draft, tree))
     margin = 0.0 if grafts else PLAIN_MARGIN
-    measure = grafts or gated
-    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=measure, margin=margin)
+    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=grafts, margin=margin)
 
 
 def check_policy_args(
