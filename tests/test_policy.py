@@ -253,3 +253,26 @@ def test_a_longer_chain_must_look_clearly_faster_and_is_probed() -> None:
     for c, t in ((zero, 0.009), (one, 0.010), (two, 0.0108)):
         leanless.record(c, 1, t, 1.0)
     assert leanless.best(1) == two
+
+
+def test_probes_alternate_longer_and_shorter_and_new_arms_take_plain_means() -> None:
+    """While a chain of 2 of up to 4 wins, the probes run the chain of 3, then of 1, by turns.
+    An arm timed once moves halfway to its second round (a plain mean), while an arm a
+    calibration measured moves by `smoothing` only."""
+    one, two, three = DraftChoice(1), DraftChoice(2), DraftChoice(3)
+    policy = AdaptiveDraft(4, margin=0.0, probe_every=4, smoothing=0.05)
+    policy.proposed, policy.accepted = [98.0] * 4, [79.0, 59.0, 9.0, 0.0]  # P = .8 .6 .1 .01
+    for k, seconds in enumerate((0.010, 0.010, 0.011, 0.020, 0.030)):
+        policy.record(DraftChoice(k), 1, seconds, 1.0)
+    assert policy.best(1) == two
+    picks = [policy.choose(1) for _ in range(12)]
+    assert picks[3] == three and picks[7] == one and picks[11] == three
+    assert [p for i, p in enumerate(picks) if i % 4 != 3] == [two] * 9
+    fresh = AdaptiveDraft(4)
+    fresh.observe(1, one, 0.050, [1])  # warm-up: not timed
+    fresh.observe(1, one, 0.010, [1])
+    fresh.observe(1, one, 0.020, [1])
+    assert fresh.arms[one].seconds[1] == pytest.approx(0.015)  # the mean of its two rounds
+    policy.observe(1, one, 0.050, [1])  # warm-up in this process
+    policy.observe(1, one, 0.020, [1])
+    assert policy.arms[one].seconds[1] == pytest.approx(0.95 * 0.010 + 0.05 * 0.020)

@@ -10,16 +10,17 @@ P(accept >= j) is estimated from every row of every round whose arm asked for at
 (acceptance counts per draft position, with a Beta(1, 1) prior and exponential forgetting, so the
 estimate follows the traffic; a draft a gated head declined counts as not accepted), pooled over
 the arms: every chain round teaches every chain arm, so no arm is judged on the few rounds it ran
-itself. A position only longer chains ask for is refreshed by a probe round of the next longer
-chain every `probe_every` rounds of a shorter one. With a proposer that grafts its own
+itself. While a chain shorter than the longest wins, every `probe_every` rounds a probe runs the
+next longer chain (the position only it asks for) or the next shorter one (its time), by turns.
+With a proposer that grafts its own
 candidates into every round (prompt lookup), a chain of k can land more than k + 1 tokens:
 tokens(k) adds the arm's measured surplus (accepted tokens beyond its k, a moving average over
 its own rounds: lookup keys its graft on a chain of one's draft, so a chain of one lands more
 beyond its length than a chain of four), and the zero-draft arm, all graft, is valued at what
-it landed.
-seconds(B, k) is a moving average of measured round times, per
-power-of-two bucket of B, since verifying k + 1 tokens for B rows costs more as B grows. An EAGLE-2
-tree configured beside the chains is one more arm with its own measured tokens per round.
+it landed. seconds(B, k) is a moving average of measured round times (their plain mean until an
+arm has 1 / smoothing of them), per power-of-two bucket of B, since verifying k + 1 tokens for B
+rows costs more as B grows. An EAGLE-2 tree configured beside the chains is one more arm with its
+own measured tokens per round.
 
 k = 0 is a plain decoding step (the draft only catches up), so drafting stops when no k > 0
 beats it by a margin (5%, so that round-time noise alone does not move it off plain steps). With
@@ -108,7 +109,7 @@ class ScriptedDraft:
 @dataclass
 class _Arm:
     seconds: dict[int, float] = field(default_factory=dict)  # batch bucket -> EMA round seconds
-    tokens: float | None = None  # EMA tokens per row per round (trees only)
+    tokens: float | None = None  # EMA tokens per row per round (`_measured` arms only)
     # EMA tokens a row accepted beyond the chain's length (a graft's continuation; chains only)
     surplus: float | None = None
     # Buckets whose first round this policy has seen: that round is not timed (warm-up).
@@ -173,7 +174,7 @@ class AdaptiveDraft:
         if choice.tree is not None:
             return tokens if tokens is not None else self.expected_tokens(DraftChoice(1))
         if choice.num_draft == 0:
-            return tokens if self.measure_tokens and tokens is not None else 1.0
+            return tokens if self._measured(choice) and tokens is not None else 1.0
         drafts = sum(self.accept_prob(j) for j in range(choice.num_draft))
         return 1.0 + drafts + (self.arms[choice].surplus or 0.0)
 
@@ -200,6 +201,11 @@ class AdaptiveDraft:
                     return self.choices[best.num_draft - 1]
                 return self.choices[best.num_draft + 1]
         return best
+
+    def _measured(self, choice: DraftChoice) -> bool:
+        """Whether the arm is valued at its measured tokens per round (the tree, and the
+        zero-draft arm under grafts), not by the chain model."""
+        return choice.tree is not None or (self.measure_tokens and choice.num_draft == 0)
 
     def _weight(self, n: int) -> float:
         """A moving average's weight for its n-th value: the plain mean until 1 / smoothing
@@ -247,7 +253,7 @@ class AdaptiveDraft:
             arm.seconds[bucket] = seconds if old is None else _mix(old, seconds, self._weight(n))
         else:  # its first round here pays first-call costs (a compile of its shape: minutes)
             arm.warmed.add(bucket)
-        if choice.tree is not None or self.measure_tokens:
+        if self._measured(choice):
             mean = 1.0 + sum(accepted) / max(1, len(accepted))
             w = self._weight(arm.rounds + 1)
             arm.tokens = mean if arm.tokens is None else _mix(arm.tokens, mean, w)
@@ -267,14 +273,14 @@ class AdaptiveDraft:
                 self.accepted[j] += float(j < a)
 
     def record(self, choice: DraftChoice, batch: int, seconds: float, tokens: float) -> None:
-        """Set an arm's measured mean round time at this batch size (and, for the tree or when
-        tokens are measured, its mean tokens per round, which values the tree and the zero-draft
-        arm), replacing the moving averages: what a calibration run measured."""
+        """Set an arm's measured mean round time at this batch size (and, for an arm valued at
+        its measured tokens, `_measured`, its mean tokens per round), replacing the moving
+        averages: what a calibration run measured."""
         arm = self.arms[choice]
         arm.seconds[_bucket(batch)] = seconds
         settled = round(1 / self.smoothing)  # a mean: later rounds move it as a moving average
         arm.timed[_bucket(batch)] = arm.rounds = settled
-        if choice.tree is not None or self.measure_tokens:
+        if self._measured(choice):
             arm.tokens = tokens
 
     def state(self) -> dict[str, Any]:

@@ -24,6 +24,11 @@ class ShapeStats:
     tokens: int = 0  # tokens the rounds landed: accepted drafts plus each round's bonus token
     seconds: float = 0.0  # their drafting and verification time
 
+    def add(self, rounds: int, tokens: int, seconds: float) -> None:
+        self.rounds += rounds
+        self.tokens += tokens
+        self.seconds += seconds
+
 
 @dataclass
 class GenerationStats:
@@ -69,9 +74,7 @@ class GenerationStats:
     ) -> None:
         if shape is not None:
             arm = self.shapes.setdefault(shape, ShapeStats())
-            arm.rounds += 1
-            arm.tokens += accepted + 1
-            arm.seconds += draft_seconds + verify_seconds
+            arm.add(1, accepted + 1, draft_seconds + verify_seconds)
         self.rounds += 1
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds

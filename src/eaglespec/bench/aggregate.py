@@ -186,12 +186,7 @@ def shape_shares(per_generation: Sequence[dict[str, ShapeStats]]) -> dict[str, S
     total: dict[str, ShapeStats] = {}
     for shapes in per_generation:
         for name, one in shapes.items():
-            t = total.setdefault(name, ShapeStats())
-            t.rounds, t.tokens, t.seconds = (
-                t.rounds + one.rounds,
-                t.tokens + one.tokens,
-                t.seconds + one.seconds,
-            )
+            total.setdefault(name, ShapeStats()).add(one.rounds, one.tokens, one.seconds)
     rounds = sum(t.rounds for t in total.values())
     return {
         name: ShapeShare(
