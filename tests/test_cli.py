@@ -87,6 +87,28 @@ def test_train_refuses_a_negative_number_of_prompts(
     assert not out.exists()
 
 
+def test_train_ttt_decay_reaches_the_trainer_and_is_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--ttt-decay sets the steps' loss weights (decay^j); outside (0, 1] it is a parse error."""
+    import eaglespec.train.command as command
+
+    seen = []
+    monkeypatch.setattr(command, "run", lambda cfg, log: seen.append(cfg))
+    base = ["train", "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out")]
+    assert main([*base, "--ttt-steps", "2", "--ttt-decay", "0.5"]) == 0
+    assert main(base) == 0
+    assert [(c.train.ttt_steps, c.train.decay) for c in seen] == [(2, 0.5), (7, 0.8)]
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(SystemExit) as stop:
+            main([*base, "--ttt-decay", bad])
+        assert stop.value.code == 2
+        assert f"argument --ttt-decay: must be in (0, 1], got {float(bad)}" in (
+            capsys.readouterr().err
+        )
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_keep_vocab_needs_a_head_to_continue(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

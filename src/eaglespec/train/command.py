@@ -185,6 +185,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--batch-tokens", type=int, default=8192, help="padded positions per step")
     g.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps")
     g.add_argument(
+        "--ttt-decay",
+        type=_weight_decay,
+        default=0.8,
+        help="step j's loss weight decay^j (EAGLE-3's 0.8); lower puts the first draft first",
+    )
+    g.add_argument(
         "--loss",
         choices=LOSSES,
         default="ce",
@@ -231,6 +237,14 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
     return n
+
+
+def _weight_decay(text: str) -> float:
+    """A loss weight ratio between steps: a number in (0, 1] (argparse names the flag on error)."""
+    x = float(text)
+    if not 0.0 < x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {x}")
+    return x
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -291,6 +305,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             schedule=args.schedule,
             batch_tokens=args.batch_tokens,
             ttt_steps=args.ttt_steps,
+            decay=args.ttt_decay,
             loss=args.loss,
             grad_clip=args.grad_clip,
             dtype=args.train_dtype,
