@@ -186,7 +186,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps")
     g.add_argument(
         "--ttt-decay",
-        type=_weight_decay,
+        type=_step_decay,
         default=0.8,
         help="step j's loss weight decay^j (EAGLE-3's 0.8); lower puts the first draft first",
     )
@@ -239,7 +239,7 @@ def _positive(text: str) -> int:
     return n
 
 
-def _weight_decay(text: str) -> float:
+def _step_decay(text: str) -> float:
     """A loss weight ratio between steps: a number in (0, 1] (argparse names the flag on error)."""
     x = float(text)
     if not 0.0 < x <= 1.0:
