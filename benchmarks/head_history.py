@@ -3,11 +3,13 @@ in its model card (HEAD/acceptance.png).
 
     python benchmarks/head_history.py [--head src/eaglespec/heads/smollm2-135m]
 
-Reads HEAD/stages.json (per stage: its train_report file, and the acceptance measured by
-`eaglespec bench` for that stage, the commands in the model card; optionally "title" and
-"series", [key, label] pairs naming the acceptance keys to plot, else SmolLM2's six-set ones)
-and each stage's report for its training response tokens and epochs; tokens seen = the sum over
-stages of response tokens x epochs. Writes HEAD/acceptance.png and prints the table.
+Reads HEAD/stages.json (per stage: its train_report file, found in HEAD (the shipped stage's) or
+in --reports (the earlier stages', which the repository keeps and the package does not ship),
+and the acceptance measured by `eaglespec bench` for that stage, the commands in the model card;
+optionally "title" and "series", [key, label] pairs naming the acceptance keys to plot, else
+SmolLM2's six-set ones) and each stage's report for its training response tokens and epochs;
+tokens seen = the sum over stages of response tokens x epochs. Writes HEAD/acceptance.png and
+prints the table.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-HEAD = Path(__file__).resolve().parents[1] / "src" / "eaglespec" / "heads" / "smollm2-135m"
+REPO = Path(__file__).resolve().parents[1]
+HEAD = REPO / "src" / "eaglespec" / "heads" / "smollm2-135m"
 SIX_SETS = (  # the SmolLM2 head's series, plotted where stages.json names none
     ("fp32_chain4", "chain of 4, fp32"),
     ("fp32_tree", "tree 4,4,16, fp32"),
@@ -31,14 +34,19 @@ SIX_SETS = (  # the SmolLM2 head's series, plotted where stages.json names none
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--head", type=Path, default=HEAD)
+    ap.add_argument(
+        "--reports", type=Path, help="default: docs/head-reports/<the head's folder name>"
+    )
     args = ap.parse_args()
+    reports = args.reports or REPO / "docs" / "head-reports" / args.head.name
     meta = json.loads((args.head / "stages.json").read_text())
     stages = meta["stages"]
     seen, xs = 0, []
     print("| stage | response tokens | epochs | tokens seen | acceptance |")
     print("|---|---|---|---|---|")
     for s in stages:
-        report = json.loads((args.head / s["report"]).read_text())
+        path = args.head / s["report"]
+        report = json.loads((path if path.exists() else reports / s["report"]).read_text())
         tokens = report["data"]["train_response_tokens"]
         epochs = report["config"]["train"]["epochs"]
         seen += tokens * epochs
