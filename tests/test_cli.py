@@ -74,7 +74,7 @@ def test_capture_that_is_not_integers_names_the_flag(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("flag", ["--synth-prompts", "--summaries", "--completions"])
+@pytest.mark.parametrize("flag", ["--synth-prompts", "--summaries", "--completions", "--followups"])
 def test_train_refuses_a_negative_number_of_prompts(
     flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -15,16 +15,21 @@ from eaglespec.draft.loader import load_eagle3, random_eagle3, save_eagle3
 from eaglespec.errors import InvalidRequestError
 from eaglespec.generate import generate_stream
 from eaglespec.requests import collect_outputs
+from eaglespec.train.data import Conversation
 from eaglespec.train.meter import Deadline
 from eaglespec.train.regen import Sample
 from eaglespec.train.synth import (
     COMPLETE,
+    FOLLOWUP_STARTERS,
     STARTER_MIXES,
     SUMMARIZE,
     Starter,
     SynthConfig,
     code_stubs,
     completion_prompts,
+    followup_prompts,
+    hash_seed,
+    read_followups,
     read_synth_prompts,
     starter_for,
     summary_prompts,
@@ -351,6 +356,96 @@ def test_pipeline_answers_summaries_and_completions_of_its_own_answers(
     assert keys[0] == seeded.key and len(keys) == 3 and report["regen"]["new"] == 2
     assert sum(":complete" in k for k in keys) == 2
     assert report["regen"]["skipped_long"] == 1  # the summary of a 200-token answer
+
+
+def test_followups_are_second_turns_written_after_the_targets_own_answer(tmp_path: Path) -> None:
+    """Each follow-up is its conversation's first turn again with a second one under the same
+    source: a FOLLOWUP_STARTERS opening and what the model wrote after it, seeded by the source,
+    in the context of the first request and the target's own answer. Only one-turn conversations
+    whose answer ended by itself and fits `max_context` are asked, never a summary's or a
+    completion's; a resumed run keeps what the file holds and writes the rest."""
+    target = tiny_target(0, vocab=V, layers=2)
+    tok = WordTokenizer()
+    convs = [Conversation((f"q{i} ask",), f"d:{i}") for i in range(40)]
+    convs += [
+        Conversation(("cut",), "d:cut"),  # its answer ran to the cap
+        Conversation(("long",), "d:long"),  # request and answer past max_context
+        Conversation(("sum",), "d:1#0:summarize"),  # a derived prompt
+        Conversation(("t1", "t2"), "d:two"),  # already two turns
+        Conversation(("unanswered",), "d:none"),
+    ]
+    samples = [Sample(f"d:{i}#0", [1, 2], [10 + i, 11, EOS], "stop") for i in range(40)]
+    samples += [
+        Sample("d:cut#0", [1], [5, 6], "length"),
+        Sample("d:long#0", [1] * 30, [5] * 40, "stop"),
+        Sample("d:1#0:summarize#0", [1], [5, EOS], "stop"),
+        Sample("d:two#0", [1], [5, EOS], "stop"),
+    ]
+    cfg = SynthConfig(max_tokens=64, batch=8, seed=0)
+    path = tmp_path / "followups.jsonl"
+    first = followup_prompts(target, tok, convs, samples, path, 3, cfg, max_context=64)
+    assert len(first) == 3 and read_followups(path) == first
+    by_source = {c.source: c for c in convs}
+    for c in first:
+        assert c.source.startswith("d:") and c.source[2:].isdigit()  # only the eligible
+        assert c.turns[0] == by_source[c.source].turns[0] and len(c.turns) == 2
+        start = next(s for s in FOLLOWUP_STARTERS if c.turns[1].startswith(s.text))
+        i = int(c.source[2:])
+        history = [
+            {"role": "user", "content": c.turns[0]},
+            {"role": "assistant", "content": tok.decode([10 + i, 11, EOS])},
+        ]
+        prefix = user_turn_prefix(tok, history)
+        assert prefix == tok.encode(
+            f"<sys>be brief<end><user>{c.turns[0]}<end><assistant>{history[1]['content']}"
+            "<end><user>"
+        )
+        ids = prefix + tok.encode(start.text, add_special=False)
+        params = SamplingParams(
+            max_tokens=64, temperature=1.0, top_p=0.99, seed=hash_seed(c.source, 0)
+        )
+        alone = collect_outputs(generate_stream(target, tok, [ids], [params]))[0]
+        assert alone.finish_reason == "stop"
+        assert c.turns[1] == (start.text + alone.text).strip()
+    more = followup_prompts(target, tok, convs, samples, path, 5, cfg, max_context=64)
+    assert more[:3] == first and len(more) == 5 and len({c.source for c in more}) == 5
+    assert read_followups(path) == more
+
+
+def test_pipeline_answers_the_followups_second_turn_after_the_first_answer(
+    tmp_path: Path, tiny_hf_folder: Path
+) -> None:
+    """--followups: a follow-up (here one a stopped run left in followups.jsonl, which a resumed
+    run keeps) is answered as the conversation's second turn, in the context of the first
+    request, the target's own first answer and the follow-up; the first turn is not answered
+    again."""
+    from eaglespec.tokenizer import Tokenizer
+    from eaglespec.train.pipeline import PipelineConfig, run
+    from eaglespec.train.regen import RegenConfig
+
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"turns": ["Write add."]}) + "\n")
+    out = tmp_path / "head"
+    (out / "work").mkdir(parents=True)
+    tok = Tokenizer.from_hf_folder(tiny_hf_folder)
+    seeded = Sample("q.jsonl:1#0", [1, 2], tok.encode("Sure: a + b.", add_special=False), "stop")
+    (out / "work" / "responses.jsonl").write_text(json.dumps(asdict(seeded)) + "\n")
+    followup = {"source": "q.jsonl:1", "turns": ["Write add.", "Now in C."]}
+    (out / "work" / "followups.jsonl").write_text(json.dumps(followup) + "\n")
+    cfg = PipelineConfig(
+        target=str(tiny_hf_folder),
+        data=(str(data),),
+        out=out,
+        regen=RegenConfig(max_new_tokens=4),
+        followups=1,
+        stop_after="regen",
+    )
+    report = run(cfg, log=lambda _: None, progress=False)
+    lines = [json.loads(line) for line in (out / "work" / "responses.jsonl").open()]
+    assert [d["key"] for d in lines] == ["q.jsonl:1#0", "q.jsonl:1#1"]
+    assert report["regen"]["new"] == 1 and report["followups"] == 1
+    assert report["throughput"]["followups"]["prompts"] == 0  # none written by this run
+    assert lines[1]["prompt"] == tok.encode_turns(followup["turns"], [tok.decode(seeded.response)])
 
 
 def test_a_base_model_without_a_chat_template_is_refused(tmp_path: Path) -> None:

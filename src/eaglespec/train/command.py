@@ -96,6 +96,15 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "own answers, cut after signature and docstring",
     )
     p.add_argument(
+        "--followups",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="add N second turns the target writes itself after its own answers (change, "
+        "extend or question the answer: a chat's follow-up), answered with the first answer "
+        "in context",
+    )
+    p.add_argument(
         "--init-from",
         type=Path,
         metavar="HEAD",
@@ -118,8 +127,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         type=float,
         metavar="S",
         help="stop answering after S seconds; the prompts' answers may take the share of S that "
-        "their turns are of all turns planned, the summaries and completions the rest; the "
-        "answers so far are kept and a later run resumes from them",
+        "their turns are of all turns planned, the summaries, completions and follow-ups the "
+        "rest; the answers so far are kept and a later run resumes from them",
     )
     g.add_argument(
         "--synth-seconds",
@@ -273,6 +282,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary_min_tokens=args.summary_min_tokens,
         summary_join=args.summary_join,
         completions=args.completions,
+        followups=args.followups,
         init_from=args.init_from,
         regen=RegenConfig(
             max_prompt_tokens=args.max_prompt_tokens,

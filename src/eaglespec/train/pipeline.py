@@ -45,8 +45,11 @@ from eaglespec.train.features import (
 from eaglespec.train.meter import NEVER, Deadline, Meter
 from eaglespec.train.regen import RegenConfig, Sample, count_turns, read_samples, regenerate
 from eaglespec.train.synth import (
+    FOLLOWUP_TEMPERATURE,
+    FOLLOWUP_TOP_P,
     SynthConfig,
     completion_prompts,
+    followup_prompts,
     summary_prompts,
     synthesize_prompts,
 )
@@ -78,6 +81,7 @@ class PipelineConfig:
     summary_min_tokens: int = 150  # answers at least this long are summarized
     summary_join: int = 1  # each text to summarise joins 1 to this many answers
     completions: int = 0  # "Complete the code I provided." over the target's own functions
+    followups: int = 0  # second user turns the target writes after its own answers, answered
     init_from: Path | None = None  # a head to continue training (weights; see keep_vocab)
     draft_vocab: int = 8192  # 0 or >= the target's vocab: full vocabulary
     keep_vocab: bool = False  # continuing: the head's own tokens first, then the most frequent
@@ -155,7 +159,7 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         if cfg.regen.max_samples is not None:
             planned = min(planned, cfg.regen.max_samples)
         prompts_due, extra_due = regen_deadlines(
-            cfg.regen.max_seconds, planned, cfg.summaries + cfg.completions
+            cfg.regen.max_seconds, planned, cfg.summaries + cfg.completions + cfg.followups
         )
         summary = regenerate(
             target.model,
@@ -167,8 +171,8 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
             features=sink,
             deadline=prompts_due,
         )
-        extra, completions = [], []
-        if cfg.summaries or cfg.completions:
+        extra, completions, followups = [], [], []
+        if cfg.summaries or cfg.completions or cfg.followups:
             answers = read_samples(responses)
             extra = summary_prompts(
                 target.tokenizer,
@@ -183,13 +187,29 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
                 target.tokenizer, answers, cfg.completions, cfg.regen.seed
             )
             log(f"regen: {len(completions)} completions of the target's own code")
-        if extra or completions:  # none where no answer is long enough or holds a function
+        if cfg.followups:
+            meter_f = Meter("followups", "prompts", log, total=cfg.followups)
+            followups = followup_prompts(
+                target.model,
+                target.tokenizer,
+                convs,
+                answers,
+                work / "followups.jsonl",
+                cfg.followups,
+                replace(cfg.synth, temperature=FOLLOWUP_TEMPERATURE, top_p=FOLLOWUP_TOP_P),
+                on_batch=meter_f.add,
+                deadline=extra_due,
+            )
+            rates["followups"] = meter_f.result()
+            report["followups"] = len(followups)
+            log(f"regen: {len(followups)} follow-ups to the target's own answers")
+        if extra or completions or followups:  # none where no answer is long enough, ...
             uncapped = replace(cfg.regen, max_samples=None)
             first = summary
             summary = regenerate(
                 target.model,
                 target.tokenizer,
-                extra + completions,
+                extra + completions + followups,
                 responses,
                 uncapped,
                 on_batch=meter.add,

@@ -16,6 +16,10 @@ Two kinds, both from the target alone (no outside data, never the evaluation set
   drift. The starters are generic openings written for this purpose, not taken from any set.
 - **Summaries of its own answers**: "Summarize: <text>" over the longest regenerated responses,
   so the head also learns summarization, where the answer copies from a long context.
+- **Follow-ups to its own answers**: the chat rendered after one of its answers up to where the
+  next user message begins, and a generic opening (FOLLOWUP_STARTERS), so the model writes a
+  second request about its answer (change it, extend it, question it: what a chat's second turn
+  asks, the MT-bench form) and then answers it with its first answer in context.
 - **Completions of its own code**: "Complete the code I provided." over the Python functions of
   its own answers, cut after the signature and docstring, so the head also learns to continue a
   given stub (the HumanEval form) rather than only to write code from a description.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +168,32 @@ GENERAL_STARTERS = (
     Starter("A word problem:"),
     Starter("Calculate"),
 )
+# How a follow-up request begins (`followup_prompts`): the kinds of second turns a chat brings
+# (change, extend, rewrite or question the answer just given), generic openings written for this
+# purpose, not taken from any set.
+FOLLOWUP_STARTERS = (
+    Starter("Now"),
+    Starter("Can you"),
+    Starter("Could you also"),
+    Starter("Rewrite your previous answer"),
+    Starter("Make it"),
+    Starter("What if"),
+    Starter("Why"),
+    Starter("How"),
+    Starter("Explain"),
+    Starter("Thanks! Now"),
+    Starter("Great. Please"),
+    Starter("Summarize"),
+    Starter("Give me"),
+    Starter("Write"),
+    Starter("I don't understand"),
+    Starter("That's not quite right."),
+)
+# Follow-ups are sampled cooler than self-asked prompts: at 1.0 / 0.99 SmolLM2-135M's second
+# turns drifted off the answer they follow more often than at 0.7 / 0.95 (16 draws of each read
+# side by side, session 55); what is asked stays the model's own.
+FOLLOWUP_TEMPERATURE = 0.7
+FOLLOWUP_TOP_P = 0.95
 STARTER_MIXES = {  # `--synth-steer MIX`
     "tasks": STARTERS,
     "code": CODE_STARTERS,
@@ -189,11 +220,12 @@ def starter_for(seed: int, starters: Sequence[Starter]) -> Starter | None:
     return random.Random(f"{seed}:starter").choice(starters) if starters else None
 
 
-def user_turn_prefix(tokenizer: Tokenizer) -> list[int]:
+def user_turn_prefix(tokenizer: Tokenizer, history: Sequence[dict[str, str]] = ()) -> list[int]:
     """Ids of the chat template rendered up to where a user message's text begins (the default
-    system prompt included, as the model sees it in a real chat)."""
+    system prompt included, as the model sees it in a real chat), after the messages of
+    `history` (a follow-up's: the first request and the model's answer to it)."""
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _SENTINEL}], add_generation_prompt=False
+        [*history, {"role": "user", "content": _SENTINEL}], add_generation_prompt=False
     )
     return tokenizer.encode(text[: text.index(_SENTINEL)], add_special=False)
 
@@ -317,6 +349,96 @@ def completion_prompts(
     stubs = sorted(pool)
     random.Random(f"{seed}:complete").shuffle(stubs)
     return [Conversation((COMPLETE.format(stub=stub),), pool[stub]) for stub in stubs[:count]]
+
+
+def read_followups(path: Path) -> list[Conversation]:
+    return [Conversation(tuple(d["turns"]), d["source"]) for d in read_jsonl(path)]
+
+
+def followup_prompts(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    convs: Sequence[Conversation],
+    samples: Sequence[Sample],
+    path: Path,
+    count: int,
+    cfg: SynthConfig,
+    *,
+    max_context: int = 768,
+    on_batch: Callable[[int, int], None] | None = None,  # (prompts kept, tokens) per draw
+    deadline: Deadline = NEVER,
+) -> list[Conversation]:
+    """Second user turns the target writes itself after its own answer (Magpie's trick one turn
+    on): over a seeded choice of one-turn conversations whose answer ended by itself (summaries
+    and completions left out) and whose request and answer take at most `max_context` tokens,
+    the chat rendered up to where the next user message begins, then a FOLLOWUP_STARTERS
+    opening picked by the draw, and the model writes the rest at `cfg`'s temperature. Kept as
+    for `synthesize_prompts` (ended by the model, two words after the opening; at most 4x `count`
+    draws). Each is the
+    conversation again with the follow-up as its second turn, under the first one's source, so
+    answering it reuses the first answer (regen.py keys turns by source) and only the second is
+    new. Appended to `path` as written ({"source", "turns"}); a resumed run keeps those and
+    writes the rest. Returns at most `count`, in the order they finished."""
+    if not tokenizer.chat_template:
+        raise InvalidRequestError(
+            f"--followups: {tokenizer.name} has no chat template to write user turns in "
+            "(a base model)"
+        )
+    drop_partial_tail(path)
+    have = read_followups(path)
+    done = {c.source for c in have}
+    by_source = {c.source: c for c in convs if len(c.turns) == 1}
+    answered = {s.key: s for s in samples}
+    pool = sorted(
+        src
+        for src, c in by_source.items()
+        if src not in done
+        and not _derived(src)
+        and (a := answered.get(f"{src}#0")) is not None
+        and a.finish == "stop"
+        and len(a.prompt) + len(a.response) <= max_context
+    )
+    random.Random(f"{cfg.seed}:followups").shuffle(pool)
+    draws = 0 if deadline.passed() else 4 * max(count - len(have), 0)
+    jobs, starts = [], {}
+    for src in pool[:draws]:
+        start = starter_for(hash_seed(src, cfg.seed), FOLLOWUP_STARTERS)
+        assert start is not None
+        answer = tokenizer.decode(answered[f"{src}#0"].response)
+        history = [
+            {"role": "user", "content": by_source[src].turns[0]},
+            {"role": "assistant", "content": answer},
+        ]
+        ids = user_turn_prefix(tokenizer, history) + tokenizer.encode(start.text, add_special=False)
+        params = SamplingParams(
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=hash_seed(src, cfg.seed),
+        )
+        starts[src] = start
+        jobs.append(Job(src, ids, params))
+    with path.open("a") as f:
+        answers = answer_all(model, tokenizer, jobs, max_rows=cfg.batch, budget=cfg.batch_tokens)
+        for a in answers:
+            if len(have) >= count or deadline.passed():
+                answers.close()
+                break
+            src, o = a.job.key, a.output
+            kept = o.finish_reason == "stop" and len(o.text.split()) >= 2
+            if kept:
+                turns = (by_source[src].turns[0], (starts[src].text + o.text).strip())
+                have.append(Conversation(turns, src))
+                f.write(json.dumps({"source": src, "turns": list(turns)}) + "\n")
+                f.flush()
+            if on_batch is not None:
+                on_batch(int(kept), len(o.token_ids))
+    return have[:count]
+
+
+def hash_seed(source: str, seed: int) -> int:
+    """A draw's seed from its conversation's source: the same on every run and resume."""
+    return zlib.crc32(f"{seed}:{source}".encode())
 
 
 def code_stubs(text: str) -> list[str]:
