@@ -40,7 +40,7 @@ from eaglespec.train.data import (
 from eaglespec.train.features import FeatureShard, _capture_batch, _concat
 from eaglespec.train.meter import NEVER, Deadline
 from eaglespec.train.pipeline import build_head, regen_deadlines
-from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl
+from eaglespec.train.regen import Sample, drop_partial_tail, read_jsonl, turns_to_answer
 from eaglespec.train.trainer import TrainConfig, autocast_dtype, train
 from eaglespec.train.ttt import TTTBatch, TTTOutput, _ttt_mask, position_loss, ttt_forward
 from eaglespec.train.vocab import build_draft_vocab, target_ids
@@ -622,6 +622,13 @@ def test_regen_budget_leaves_the_summaries_their_share() -> None:
     assert (prompts.at, extra.at) == (85.0, 110.0)
     assert regen_deadlines(100.0, 300, 0, clock)[0].at == 110.0
     assert regen_deadlines(None, 300, 100) == (NEVER, NEVER)
+
+
+def test_a_resumed_run_plans_only_the_turns_not_yet_answered() -> None:
+    convs = [Conversation(("a",), "f:1"), Conversation(("b", "c"), "f:2")]
+    assert turns_to_answer(convs, set()) == 3
+    assert turns_to_answer(convs, {"f:1#0", "f:2#0", "other#0"}) == 1
+    assert turns_to_answer(convs, {"f:1#0", "f:2#0", "f:2#1"}) == 0
 
 
 def test_truncated_json_array_is_an_error(tmp_path: Path) -> None:

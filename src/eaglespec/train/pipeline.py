@@ -43,7 +43,13 @@ from eaglespec.train.features import (
     shard_paths,
 )
 from eaglespec.train.meter import NEVER, Deadline, Meter
-from eaglespec.train.regen import RegenConfig, Sample, count_turns, read_samples, regenerate
+from eaglespec.train.regen import (
+    RegenConfig,
+    Sample,
+    read_samples,
+    regenerate,
+    turns_to_answer,
+)
 from eaglespec.train.synth import (
     FOLLOWUP_TEMPERATURE,
     FOLLOWUP_TOP_P,
@@ -155,9 +161,12 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         meter = Meter("regen", "turns", log)
         # greedy answers bring their features with them (recorder.py): no prefill over them later
         sink = FeatureSink(work / "features", capture) if cfg.regen.temperature == 0 else None
-        planned = count_turns(convs)
+        # the turns this run answers: a resumed run's earlier answers are not planned again (they
+        # would enlarge the first round's share of the budget at the second round's cost)
+        answered = {s.key for s in read_samples(responses)}
+        planned = turns_to_answer(convs, answered)
         if cfg.regen.max_samples is not None:
-            planned = min(planned, cfg.regen.max_samples)
+            planned = min(planned, max(0, cfg.regen.max_samples - len(answered)))
         prompts_due, extra_due = regen_deadlines(
             cfg.regen.max_seconds, planned, cfg.summaries + cfg.completions + cfg.followups
         )

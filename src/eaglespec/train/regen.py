@@ -161,8 +161,10 @@ def regenerate(
     return RegenSummary(len(done), new, skipped, total)
 
 
-def count_turns(convs: Sequence[Conversation]) -> int:
-    return sum(len(c.turns) for c in convs)
+def turns_to_answer(convs: Sequence[Conversation], answered: set[str]) -> int:
+    """User turns of `convs` that `answered` (the keys responses.jsonl already holds) lacks: what
+    a run, a resumed one included, still has to answer."""
+    return sum(f"{c.source}#{t}" not in answered for c in convs for t in range(len(c.turns)))
 
 
 def _context(
