@@ -624,6 +624,17 @@ def test_regen_budget_leaves_the_summaries_their_share() -> None:
     assert regen_deadlines(None, 300, 100) == (NEVER, NEVER)
 
 
+def test_halfway_leaves_half_the_time_left() -> None:
+    now = [10.0]
+    due = Deadline(30.0, lambda: now[0])
+    assert due.halfway().at == 20.0
+    now[0] = 26.0
+    assert due.halfway().at == 28.0 and not due.halfway().passed()
+    now[0] = 31.0
+    assert due.halfway().passed() and due.halfway().at == 31.0
+    assert NEVER.halfway() is NEVER
+
+
 def test_a_resumed_run_plans_only_the_turns_not_yet_answered() -> None:
     convs = [Conversation(("a",), "f:1"), Conversation(("b", "c"), "f:2")]
     assert turns_to_answer(convs, set()) == 3

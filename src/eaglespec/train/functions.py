@@ -15,7 +15,8 @@ request picked by the seed: write it from its description, or explain its code.
 The seed only picks each function's second request, so a later stage that wants prompts it has not
 answered before needs functions it has not seen: libraries are added to LIBRARIES over time, and
 `--libraries` names the ones a file is written from (the first four write the file of the stages
-that read only those, byte for byte).
+that read only those, byte for byte; the first eight that of stages 30-33, before sympy and mpmath
+joined).
 
 writes FastChat-style records (`{"turns": [prompt], "source": ...}`) that `eaglespec train
 --data` reads like any prompt file.

@@ -29,6 +29,14 @@ class Deadline:
     def passed(self) -> bool:
         return self.at is not None and self.clock() >= self.at
 
+    def halfway(self) -> Deadline:
+        """Half of the time left from now: for work whose products need the other half (prompts
+        written, then answered). Never stays never; a passed deadline stays passed."""
+        if self.at is None:
+            return self
+        now = self.clock()
+        return Deadline(now + max(0.0, self.at - now) / 2, self.clock)
+
 
 NEVER = Deadline()
 

@@ -207,7 +207,9 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
                 cfg.followups,
                 replace(cfg.synth, temperature=FOLLOWUP_TEMPERATURE, top_p=FOLLOWUP_TOP_P),
                 on_batch=meter_f.add,
-                deadline=extra_due,
+                # writing may take half the time left, answering the rest (stage 34's second
+                # call, writing until its budget's end, answered 16 of its derived prompts)
+                deadline=extra_due.halfway(),
             )
             rates["followups"] = meter_f.result()
             report["followups"] = len(followups)
