@@ -93,6 +93,11 @@ def test_meter_counts_and_rates() -> None:
     assert lines == ["regen: 3/10 turns, 300 tokens, 50 tokens/s"]
     now[0] = 10.0
     assert m.result() == {"turns": 3, "tokens": 300, "seconds": 10.0, "tokens_per_s": 30.0}
+    # a resumed run shows what the file already holds; its record is this run's alone
+    r = Meter("synth", "prompts", lines.append, total=10, done=4, clock=lambda: now[0])
+    r.add(2, 50)
+    now[0] = 20.0
+    assert r.result()["prompts"] == 2 and lines[-1] == "synth: 6/10 prompts, 50 tokens, 5 tokens/s"
 
 
 def test_dense_weight_reads_any_linear_layer() -> None:

@@ -115,7 +115,7 @@ def capture_features(
 ) -> list[Path]:
     """Capture every sample not yet in a shard of `folder`; returns all shard paths."""
     folder.mkdir(parents=True, exist_ok=True)
-    have = {k for p in shard_paths(folder) for k in load_shard_keys(p)}
+    have = captured_keys(folder)
     todo = sorted(
         (s for s in samples if s.key not in have), key=lambda s: len(s.prompt) + len(s.response)
     )
@@ -129,6 +129,11 @@ def capture_features(
                 on_batch(len(batch), sum(len(s.prompt) + len(s.response) for s in batch))
         save_group(folder, parts, [s.key for s in group], capture)
     return shard_paths(folder)
+
+
+def captured_keys(folder: Path) -> set[str]:
+    """The keys of the samples the shards of `folder` hold (none where it does not exist)."""
+    return {k for p in shard_paths(folder) for k in load_shard_keys(p)}
 
 
 def load_shard_keys(path: Path) -> list[str]:

@@ -49,10 +49,11 @@ class Meter:
         log: Callable[[str], None],
         *,
         total: int | None = None,
+        done: int = 0,  # made by an earlier run (a resumed one): shown, not rated or reported
         every: float = 10.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.stage, self.unit, self.log, self.total = stage, unit, log, total
+        self.stage, self.unit, self.log, self.total, self.done = stage, unit, log, total, done
         self.every, self.clock = every, clock
         self.items = self.tokens = 0
         self.start = clock()
@@ -68,7 +69,7 @@ class Meter:
         self.shown = self.clock()
         of = f"/{self.total}" if self.total is not None else ""
         self.log(
-            f"{self.stage}: {self.items}{of} {self.unit}, {self.tokens:,} tokens, "
+            f"{self.stage}: {self.done + self.items}{of} {self.unit}, {self.tokens:,} tokens, "
             f"{self.rate():,.0f} tokens/s"
         )
 

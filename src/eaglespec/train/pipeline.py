@@ -39,6 +39,7 @@ from eaglespec.train.features import (
     FeatureShard,
     FeatureSink,
     capture_features,
+    captured_keys,
     load_shard,
     shard_paths,
 )
@@ -46,6 +47,7 @@ from eaglespec.train.meter import NEVER, Deadline, Meter
 from eaglespec.train.regen import (
     RegenConfig,
     Sample,
+    read_jsonl,
     read_samples,
     regenerate,
     turns_to_answer,
@@ -144,7 +146,8 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
         convs = read_all(cfg.data, cfg.skip_per_file, cfg.limit_per_file)
         convs = with_variants(convs, dict(cfg.variants))
         if cfg.synth.prompts:
-            meter = Meter("synth", "prompts", log, total=cfg.synth.prompts)
+            have = len(read_jsonl(work / "synth_prompts.jsonl"))
+            meter = Meter("synth", "prompts", log, total=cfg.synth.prompts, done=have)
             synth = synthesize_prompts(
                 target.model,
                 target.tokenizer,
@@ -197,7 +200,8 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
             )
             log(f"regen: {len(completions)} completions of the target's own code")
         if cfg.followups:
-            meter_f = Meter("followups", "prompts", log, total=cfg.followups)
+            have = len(read_jsonl(work / "followups.jsonl"))
+            meter_f = Meter("followups", "prompts", log, total=cfg.followups, done=have)
             followups = followup_prompts(
                 target.model,
                 target.tokenizer,
@@ -262,7 +266,8 @@ def run(cfg: PipelineConfig, log: Log = print, progress: bool = True) -> dict[st
 
     t = time.perf_counter()
     if rank == 0:
-        meter = Meter("features", "samples", log, total=len(samples))
+        have = len(captured_keys(work / "features") & {s.key for s in samples})
+        meter = Meter("features", "samples", log, total=len(samples), done=have)
         capture_features(target.model, samples, capture, work / "features", on_batch=meter.add)
         rates["features"] = meter.result()
     _barrier()
