@@ -322,6 +322,18 @@ def _fields(cfg: SynthConfig) -> dict[str, object]:
     return {f: getattr(cfg, f) for f in cfg.__slots__}  # type: ignore[attr-defined]
 
 
+def _one_turn_answered(tmp_path: Path, answer: list[int]) -> tuple[Path, Path, Sample]:
+    """A prompt file of one turn ("Write add.") and an output folder whose responses.jsonl
+    already holds its answer `answer`: (the file, the folder, the answer's sample)."""
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"turns": ["Write add."]}) + "\n")
+    out = tmp_path / "head"
+    (out / "work").mkdir(parents=True)
+    seeded = Sample("q.jsonl:1#0", [1, 2], answer, "stop")  # the data's one turn, answered
+    (out / "work" / "responses.jsonl").write_text(json.dumps(asdict(seeded)) + "\n")
+    return data, out, seeded
+
+
 def test_pipeline_answers_summaries_and_completions_of_its_own_answers(
     tmp_path: Path, tiny_hf_folder: Path
 ) -> None:
@@ -333,14 +345,8 @@ def test_pipeline_answers_summaries_and_completions_of_its_own_answers(
     from eaglespec.train.pipeline import PipelineConfig, run
     from eaglespec.train.regen import RegenConfig
 
-    data = tmp_path / "q.jsonl"
-    data.write_text(json.dumps({"turns": ["Write add."]}) + "\n")
-    out = tmp_path / "head"
-    (out / "work").mkdir(parents=True)
     tok = Tokenizer.from_hf_folder(tiny_hf_folder)
-    answer = tok.encode(ANSWER)
-    seeded = Sample("q.jsonl:1#0", [1, 2], answer, "stop")  # the data's one turn, answered
-    (out / "work" / "responses.jsonl").write_text(json.dumps(asdict(seeded)) + "\n")
+    data, out, seeded = _one_turn_answered(tmp_path, tok.encode(ANSWER))
     cfg = PipelineConfig(
         target=str(tiny_hf_folder),
         data=(str(data),),
@@ -423,13 +429,8 @@ def test_pipeline_answers_the_followups_second_turn_after_the_first_answer(
     from eaglespec.train.pipeline import PipelineConfig, run
     from eaglespec.train.regen import RegenConfig
 
-    data = tmp_path / "q.jsonl"
-    data.write_text(json.dumps({"turns": ["Write add."]}) + "\n")
-    out = tmp_path / "head"
-    (out / "work").mkdir(parents=True)
     tok = Tokenizer.from_hf_folder(tiny_hf_folder)
-    seeded = Sample("q.jsonl:1#0", [1, 2], tok.encode("Sure: a + b.", add_special=False), "stop")
-    (out / "work" / "responses.jsonl").write_text(json.dumps(asdict(seeded)) + "\n")
+    data, out, seeded = _one_turn_answered(tmp_path, tok.encode("Sure: a + b.", add_special=False))
     followup = {"source": "q.jsonl:1", "turns": ["Write add.", "Now in C."]}
     (out / "work" / "followups.jsonl").write_text(json.dumps(followup) + "\n")
     cfg = PipelineConfig(

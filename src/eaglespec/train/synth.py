@@ -374,11 +374,10 @@ def followup_prompts(
     the chat rendered up to where the next user message begins, then a FOLLOWUP_STARTERS
     opening picked by the draw, and the model writes the rest at `cfg`'s temperature. Kept as
     for `synthesize_prompts` (ended by the model, two words after the opening; at most 4x `count`
-    draws). Each is the
-    conversation again with the follow-up as its second turn, under the first one's source, so
-    answering it reuses the first answer (regen.py keys turns by source) and only the second is
-    new. Appended to `path` as written ({"source", "turns"}); a resumed run keeps those and
-    writes the rest. Returns at most `count`, in the order they finished."""
+    draws). Each is the conversation again with the follow-up as its second turn, under the
+    first one's source, so answering it reuses the first answer (regen.py keys turns by source)
+    and only the second is new. Appended to `path` as written ({"source", "turns"}); a resumed
+    run keeps those and writes the rest. Returns at most `count`, in the order they finished."""
     if not tokenizer.chat_template:
         raise InvalidRequestError(
             f"--followups: {tokenizer.name} has no chat template to write user turns in "
@@ -402,7 +401,8 @@ def followup_prompts(
     draws = 0 if deadline.passed() else 4 * max(count - len(have), 0)
     jobs, starts = [], {}
     for src in pool[:draws]:
-        start = starter_for(hash_seed(src, cfg.seed), FOLLOWUP_STARTERS)
+        draw = hash_seed(src, cfg.seed)
+        start = starter_for(draw, FOLLOWUP_STARTERS)
         assert start is not None
         answer = tokenizer.decode(answered[f"{src}#0"].response)
         history = [
@@ -414,7 +414,7 @@ def followup_prompts(
             max_tokens=cfg.max_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            seed=hash_seed(src, cfg.seed),
+            seed=draw,
         )
         starts[src] = start
         jobs.append(Job(src, ids, params))
