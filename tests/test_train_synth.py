@@ -454,3 +454,6 @@ def test_a_base_model_without_a_chat_template_is_refused(tmp_path: Path) -> None
     tok.chat_template = None  # type: ignore[assignment]
     with pytest.raises(InvalidRequestError, match="no chat template to write user turns in"):
         synthesize_prompts(tiny_target(0, vocab=V), tok, tmp_path / "s.jsonl", SynthConfig(4))  # type: ignore[arg-type]
+    path = tmp_path / "f.jsonl"
+    with pytest.raises(InvalidRequestError, match="--followups: word-tokenizer has no chat"):
+        followup_prompts(tiny_target(0, vocab=V), tok, [], [], path, 4, SynthConfig())  # type: ignore[arg-type]
