@@ -4,7 +4,7 @@ M activation rows.
 
     python benchmarks/roofline.py [--shapes smollm2-135m] [--rows 1 2 3 4 8 16 32 64]
                                   [--repeats 9] [--threads 2] [--amx on|off|both]
-                                  [--amx-min-rows N]
+                                  [--amx-min-rows N] [--avx2-together on|off|both]
 
 Limits: a pass over a model's 4-bit decoder matrices (one copy per layer, as a decode step reads
 them: together they exceed the private caches) must at least stream its weight bytes at the
@@ -18,7 +18,9 @@ streams; on a VM with a large shared L3 that can be above DRAM's) and over 1 GiB
 Medians over --repeats after one warm-up round, all cases timed round-robin. Where the CPU has
 AMX, `--amx both` times every case with the kernels' AMX tiles on and off (the same bits), and
 `--amx-min-rows 1` sends every row count through them (the kernel's default starts at a
-measured crossover).
+measured crossover). Where the kernels run their AVX2 path, `--avx2-together both` times every case
+with tiles of one or two rows taking a weight block's two halves together (the default) and
+apart (csrc/w4a8.cpp's block_tile_avx2; the same bits).
 """
 
 from __future__ import annotations
@@ -63,11 +65,12 @@ def int8_peak(repeats: int) -> tuple[str, int, float]:
     multiply-adds an instruction, and instructions per second on the engine's threads."""
     ops = torch.ops.eaglespec_roofline
     iters = 1_000_000
-    name, macs, fn = (
-        ("vpdpbusd", 64, ops.vnni) if ops.has_vnni() else ("vpmaddubsw", 32, ops.maddubs)
+    # instruction, multiply-adds each, the op, its independent chains a round (csrc/roofline.cpp)
+    name, macs, fn, chains = (
+        ("vpdpbusd", 64, ops.vnni, 16) if ops.has_vnni() else ("vpmaddubsw", 32, ops.maddubs, 12)
     )
     seconds = median_time(lambda: fn(iters), repeats)
-    return name, macs, 16 * iters * torch.get_num_threads() / seconds
+    return name, macs, chains * iters * torch.get_num_threads() / seconds
 
 
 def random_w4a8(n: int, k: int) -> w4a8.W4A8Linear:
@@ -88,6 +91,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--amx", choices=["on", "off", "both"], default="on")
     ap.add_argument("--amx-min-rows", type=int, default=None)
+    ap.add_argument("--avx2-together", choices=["on", "off", "both"], default="on")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     w4a8.require()
@@ -97,6 +101,9 @@ def main() -> None:
     ops = torch.ops.eaglespec_w4a8
     granted = ops.use_amx(True)  # whether this CPU and OS allow it
     modes = {"on": [granted], "off": [False], "both": [True, False] if granted else [False]}
+    avx2 = ops.use_avx2(False)  # whether the AVX2 path runs here
+    orders = {"on": [True], "off": [False], "both": [True, False]}[args.avx2_together]
+    settings = [(amx, together) for amx in modes[args.amx] for together in orders]
     if args.amx_min_rows is not None:  # both kernels
         ops.amx_min_rows(4, args.amx_min_rows)
         ops.amx_min_rows(8, args.amx_min_rows)
@@ -125,43 +132,57 @@ def main() -> None:
     )
     print(f"int8 peak: {peak / 1e9:.2f} G {op}/s = {peak * op_macs / 1e9:.0f} G int8 MAC/s")
     print()
-    print("| kernel | rows M | AMX | ms | weight GB/s | G MAC/s | limit | limit ms | of limit |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| kernel | rows M | AMX | AVX2 halves | ms | weight GB/s | G MAC/s | limit | limit ms "
+        "| of limit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     cases = []  # (kernel, rows, AMX, fn, weight bytes, MACs a row, copies per call)
     for m in args.rows:
         xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
         xh = torch.randn(m, head[1]).bfloat16()
 
-        # the ops themselves, as the fused layer calls them (no module's Python around them)
-        def run_decoder(xs: dict[int, torch.Tensor] = xs) -> None:
-            for row in decoder:
-                for lin, (n, k) in zip(row, shapes, strict=True):
-                    torch.ops.eaglespec_w4a8.linear(xs[k], lin.weight, n)
+        # the ops themselves, called in turn from C++ as the fused layer calls them (no Python
+        # between them: a call from Python costs about as much as a small matrix at one row)
+        dec_args = (
+            [xs[k] for _ in decoder for _, k in shapes],
+            [lin.weight for row in decoder for lin in row],
+            [n for _ in decoder for n, _ in shapes],
+        )
+        head_args = ([xh] * len(heads), [lin.weight for lin in heads], [head[0]] * len(heads))
 
-        def run_head(xh: torch.Tensor = xh) -> None:
-            for lin in heads:
-                torch.ops.eaglespec_w4a8.linear8(xh, lin.weight, head[0])
+        def run_decoder(args: tuple = dec_args) -> None:
+            torch.ops.eaglespec_roofline.matrices(*args, 4)
 
-        for amx in modes[args.amx]:
-            cases.append(("4-bit decoder", m, amx, run_decoder, dec_bytes, dec_macs, 1))
-            cases.append(("8-bit head", m, amx, run_head, head_bytes, head_macs, HEAD_COPIES))
+        def run_head(args: tuple = head_args) -> None:
+            torch.ops.eaglespec_roofline.matrices(*args, 8)
+
+        for setting in settings:
+            cases.append(("4-bit decoder", m, setting, run_decoder, dec_bytes, dec_macs, 1))
+            cases.append(("8-bit head", m, setting, run_head, head_bytes, head_macs, HEAD_COPIES))
     # every case round-robin, repeat by repeat, so the machine's drift falls on all alike
     samples: list[list[float]] = [[] for _ in cases]
     with torch.inference_mode():
         for rep in range(args.repeats + 1):
-            for i, (_, _, amx, fn, *_rest) in enumerate(cases):
+            for i, (_, _, (amx, together), fn, *_rest) in enumerate(cases):
                 ops.use_amx(amx)
+                ops.avx2_together(together)
                 start = time.perf_counter()
                 fn()
                 if rep:  # the first round warms up
                     samples[i].append(time.perf_counter() - start)
     ops.use_amx(True)
-    for (name, m, amx, _, nbytes, macs, copies), times in zip(cases, samples, strict=True):
+    ops.avx2_together(True)
+    for (name, m, (amx, together), _, nbytes, macs, copies), times in zip(
+        cases, samples, strict=True
+    ):
+        halves = ("together" if together else "apart") if avx2 else "-"
         t = statistics.median(times) / copies
         t_mem, t_mac = nbytes / bw_model, m * macs / op_macs / peak
         limit, t_lim = ("memory", t_mem) if t_mem >= t_mac else (op, t_mac)
         print(
-            f"| {name} | {m} | {'on' if amx else 'off'} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
+            f"| {name} | {m} | {'on' if amx else 'off'} | {halves} | {t * 1e3:.3f} | "
+            f"{nbytes / t / 1e9:.1f} | "
             f"{m * macs / t / 1e9:.0f} | {limit} | {t_lim * 1e3:.3f} | {t_lim / t:.2f} |"
         )
 

@@ -273,6 +273,22 @@ def test_the_avx2_path_gives_the_avx512_bits(dtype: torch.dtype, k: int) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 8960])
+def test_the_avx2_orders_of_a_blocks_halves_give_the_same_bits(dtype: torch.dtype, k: int) -> None:
+    """On the AVX2 path (forced where AVX-512 VNNI runs) tiles of one or two rows take a weight
+    block's two halves together, group by group, or each over all groups in turn as taller tiles
+    do: every output (4-bit, 8-bit, with the residual add) is bitwise the same either way, at
+    every row count, N a multiple of 16 or not (the halves of a block of 16 rows, and one half)."""
+    ops = torch.ops.eaglespec_w4a8
+    assert ops.use_avx2(True)
+    try:
+        _both_paths_agree(ops.avx2_together, dtype, k, seed=6)
+    finally:
+        ops.avx2_together(True)
+        ops.use_avx2(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [576, 97])
 def test_the_residual_add_has_atens_bits(dtype: torch.dtype, n: int) -> None:
     """linear_add(x, w, N, r) is bitwise r + linear(x, w, N) (ATen's add of the rounded product),
@@ -352,3 +368,24 @@ def test_mixed_mode_puts_the_wide_layers_through_the_8bit_kernel() -> None:
 def test_shapes_the_kernel_cannot_take_are_refused(kind: type[w4a8.W4A8Linear]) -> None:
     with pytest.raises(InvalidRequestError, match=r"in_features divisible by 32, got a \(8, 48\)"):
         kind.from_linear(_layer(8, 48, bias=False))
+
+
+def test_the_roofline_runs_each_matrix_through_the_kernel() -> None:
+    """benchmarks/roofline.py times its passes through roofline.matrices, which calls the
+    kernels from C++ in turn: every matrix goes through (a matrix whose rows do not fit its
+    weight is refused by the kernel itself)."""
+    from eaglespec.model.extension import build
+
+    reason = build("roofline", needs="an x86 CPU with AVX2 or AVX-512 VNNI")
+    if reason is not None:
+        pytest.skip(reason)
+    ops = torch.ops.eaglespec_roofline
+    layer = _layer(32, 64, bias=False)
+    w4, w8 = w4a8.W4A8Linear.from_linear(layer), w4a8.W8A8Linear.from_linear(layer)
+    x = torch.randn(3, 64).bfloat16()
+    assert ops.matrices([x, x], [w4.weight, w4.weight], [32, 32], 4) == 2
+    assert ops.matrices([x], [w8.weight], [32], 8) == 1
+    with pytest.raises(RuntimeError, match="4 or 8 bits"):
+        ops.matrices([x], [w4.weight], [32], 5)
+    with pytest.raises(RuntimeError):
+        ops.matrices([torch.randn(3, 96).bfloat16()], [w4.weight], [32], 4)  # K 96, weight K 64

@@ -7,12 +7,17 @@
 // vnni(iters): per thread, iters rounds of 16 independent vpdpbusd chains (enough to cover
 //   the instruction's latency on current x86 cores); returns a checksum. 64 int8 multiply-adds
 //   per instruction, so 1024 * iters * threads / seconds is the VNNI peak.
-// maddubs(iters): the same with vpmaddubsw on 256 bits (the AVX2 kernels' multiply, 32 int8
-//   multiply-adds an instruction), for CPUs without AVX-512 VNNI. stream() reads with 256-bit
-//   loads there.
+// maddubs(iters): per thread, iters rounds of 12 independent vpmaddubsw on 256 bits (the AVX2
+//   kernels' multiply, 32 int8 multiply-adds an instruction), for CPUs without AVX-512 VNNI;
+//   12 * iters * threads / seconds is its peak. stream() reads with 256-bit loads there.
+// matrices(xs, ws, ns, bits): each w4a8 matrix ws[i] (ns[i] outputs) over its rows xs[i], in
+//   turn, through eaglespec_w4a8's linear (bits 4) or linear8 (bits 8) by the dispatcher, as
+//   the fused layer calls them (csrc/layer.cpp): a pass over a model's matrices without Python
+//   between them (about 10 us a call on a 2-core VM, as much as a small matrix's whole time).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -90,16 +95,31 @@ ROOFLINE_TARGET int64_t vnni_thread(int64_t iters, int seed) {
   return _mm512_reduce_add_epi32(s);
 }
 
+// 12 vpmaddubsw a round, each writing its own register from the same two operands: no result is
+// read again, so the rounds measure how many the core issues a cycle, not their latency. In
+// assembly, as a compiler would hoist the loop-invariant products out of the loop (and with
+// arrays of chains in C++ GCC spilled to the stack: a third of this rate on a Zen 3, session 56).
 EAGLESPEC_AVX2_TARGET int64_t maddubs_thread(int64_t iters, int seed) {
-  __m256i acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_epi16(static_cast<int16_t>(seed + i));
-  const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(static_cast<char>(seed | 1));
-  // each chain feeds its own result back as the unsigned operand, so no round can be hoisted
+  __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(static_cast<char>(seed | 1));
   for (int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < 16; ++i) acc[i] = _mm256_maddubs_epi16(_mm256_and_si256(acc[i], a), b);
-  __m256i s = acc[0];
-  for (int i = 1; i < 16; ++i) s = _mm256_add_epi16(s, acc[i]);
-  return _mm256_extract_epi64(s, 0);
+    asm volatile(
+        "vpmaddubsw %1, %0, %%ymm0\n\t"
+        "vpmaddubsw %1, %0, %%ymm1\n\t"
+        "vpmaddubsw %1, %0, %%ymm2\n\t"
+        "vpmaddubsw %1, %0, %%ymm3\n\t"
+        "vpmaddubsw %1, %0, %%ymm4\n\t"
+        "vpmaddubsw %1, %0, %%ymm5\n\t"
+        "vpmaddubsw %1, %0, %%ymm6\n\t"
+        "vpmaddubsw %1, %0, %%ymm7\n\t"
+        "vpmaddubsw %1, %0, %%ymm8\n\t"
+        "vpmaddubsw %1, %0, %%ymm9\n\t"
+        "vpmaddubsw %1, %0, %%ymm10\n\t"
+        "vpmaddubsw %1, %0, %%ymm11\n\t"
+        : "+x"(a)
+        : "x"(b)
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+          "xmm10", "xmm11");
+  return _mm256_extract_epi64(_mm256_maddubs_epi16(a, b), 0);
 }
 
 template <typename Fn>
@@ -124,6 +144,23 @@ int64_t maddubs(int64_t iters) {
   return per_thread([&](int t) { return maddubs_thread(iters, t); });
 }
 
+using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+
+int64_t matrices(at::TensorList xs, at::TensorList ws, at::IntArrayRef ns, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "roofline.matrices: 4 or 8 bits, got ", bits);
+  TORCH_CHECK(xs.size() == ws.size() && ws.size() == ns.size(),
+              "roofline.matrices: one input, weight and output size a matrix");
+  static const auto linear = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("eaglespec_w4a8::linear", "")
+                                 .typed<Linear>();
+  static const auto linear8 = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("eaglespec_w4a8::linear8", "")
+                                  .typed<Linear>();
+  const auto& op = bits == 4 ? linear : linear8;
+  for (size_t i = 0; i < ws.size(); ++i) op.call(xs[i], ws[i], ns[i]);
+  return static_cast<int64_t>(ws.size());
+}
+
 bool supported() { return cpu_supported(); }
 bool has_vnni() { return vnni_supported(); }
 
@@ -133,11 +170,15 @@ TORCH_LIBRARY(eaglespec_roofline, m) {
   m.def("stream(Tensor buf) -> int");
   m.def("vnni(int iters) -> int");
   m.def("maddubs(int iters) -> int");
+  m.def("matrices(Tensor[] xs, Tensor[] ws, int[] ns, int bits) -> int");
   m.def("supported() -> bool");
   m.def("has_vnni() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(eaglespec_roofline, CPU, m) { m.impl("stream", &stream); }
+TORCH_LIBRARY_IMPL(eaglespec_roofline, CPU, m) {
+  m.impl("stream", &stream);
+  m.impl("matrices", &matrices);
+}
 
 TORCH_LIBRARY_IMPL(eaglespec_roofline, CompositeExplicitAutograd, m) {
   m.impl("vnni", &vnni);

@@ -293,16 +293,16 @@ W4A8_TARGET void block_tile(const uint8_t* blk, const Rows& x, T* y, const T* r,
 // ---- The AVX2 path (x86-64-v3: no AVX-512, no VNNI) ---------------------------------------
 // The same packed weights and the same math, in 8-lane registers: a block's 16 output rows as
 // two halves of 8 (lanes 0-7 and 8-15 of the AVX-512 path; bytes 0-31 and 32-63 of each 64-byte
-// load), the half's groups in turn. Without vpdpbusd a group's dot products are vpmaddubsw (u8 x
-// s8 -> pairs summed in int16) then vpmaddwd against ones (-> int32 per lane): for 4 bits the 8
-// steps' pair sums are added in int16 first (|sum| <= 8 * 2 * 15 * 127 = 30,480, no overflow),
-// for 8 bits each step is widened (a pair can reach 2 * 127 * 127), its signed codes taken back
-// from the stored q + 128 and the activations' signs moved onto them (vpsignb), as vpmaddubsw
-// wants one unsigned operand. Integer sums are exact, so every group's int32 dot products are
-// vpdpbusd's; the float epilogue is `accumulate`'s, operation for operation and lane for lane,
-// and the activations are quantized as quantize_row does (the same rounding, and xsum reduced
-// in _mm512_reduce_add_ps's order), so the AVX2 path gives the AVX-512 path's bits
-// (tests/test_w4a8.py compares them where both run).
+// load; block_tile_avx2 says in which order). Without vpdpbusd a group's dot products are
+// vpmaddubsw (u8 x s8 -> pairs summed in int16) then vpmaddwd against ones (-> int32 per lane):
+// for 4 bits the 8 steps' pair sums are added in int16 first (|sum| <= 8 * 2 * 15 * 127 =
+// 30,480, no overflow), for 8 bits each step is widened (a pair can reach 2 * 127 * 127), its
+// signed codes taken back from the stored q + 128 and the activations' signs moved onto them
+// (vpsignb), as vpmaddubsw wants one unsigned operand. Integer sums are exact, so every group's
+// int32 dot products are vpdpbusd's; the float epilogue is `accumulate`'s, operation for
+// operation and lane for lane, and the activations are quantized as quantize_row does (the same
+// rounding, and xsum reduced in _mm512_reduce_add_ps's order), so the AVX2 path gives the
+// AVX-512 path's bits (tests/test_w4a8.py compares them where both run).
 
 constexpr int kTile2 = 4;  // activation rows sharing a loaded half group (16 ymm registers)
 
@@ -390,47 +390,87 @@ EAGLESPEC_AVX2_TARGET inline __m256i half_dot(const __m256i (&w)[8], const int32
   }
 }
 
-// One weight block against a tile of MB activation rows, as block_tile, half by half: each
-// half's accumulators go through `accumulate`'s operations in its order, so its 8 outputs are
-// lanes 8 half .. 8 half + 7 of the AVX-512 path's, bit for bit.
+// One half group of one weight block against a tile of MB activation rows: acc[m] (row m's 8
+// outputs of the half) through `accumulate`'s operations in its order, so they are lanes
+// 8 half .. 8 half + 7 of the AVX-512 path's, bit for bit.
+template <int Bits, int MB>
+EAGLESPEC_AVX2_TARGET inline void half_group_avx2(const uint8_t* gp, int half, const Rows& x,
+                                                  int64_t g, __m256 (&acc)[MB]) {
+  __m256i w[8];
+  half_steps<Bits>(gp, half, w);
+  const uint8_t* sp = gp + code_bytes(Bits) + 16 * half;
+  const __m256 S = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m) {
+    const int64_t o = m * x.ng + g;
+    const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
+    const __m256 scale = _mm256_mul_ps(S, _mm256_set1_ps(x.dx[o]));
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_dot<Bits>(w, xp)), scale, acc[m]);
+    if constexpr (Bits == 4) {
+      const __m256 MN =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32)));
+      acc[m] = _mm256_fmadd_ps(MN, _mm256_set1_ps(x.xsum[o]), acc[m]);
+    }
+  }
+}
+
+// A tile's accumulators for one half of a block stored (8 outputs a row, `here` of them kept).
+template <int MB, typename T>
+EAGLESPEC_AVX2_TARGET inline void store_half_avx2(const __m256 (&acc)[MB], int half, T* y,
+                                                  const T* r, int64_t ldy, int64_t here) {
+  alignas(32) float out[8];
+  for (int m = 0; m < MB; ++m) {
+    _mm256_store_ps(out, acc[m]);
+    T* ym = y + m * ldy + 8 * half;
+    if (r != nullptr)
+      for (int64_t i = 0; i < here; ++i) store_add(ym + i, out[i], r[m * ldy + 8 * half + i]);
+    else
+      for (int64_t i = 0; i < here; ++i) store(ym + i, out[i]);
+  }
+}
+
+// Whether tiles of one or two rows take a block's two halves together (`avx2_together`).
+std::atomic<bool> avx2_together_wanted{true};
+
+// One weight block against a tile of MB activation rows, as block_tile. Tiles of one or two
+// rows take both halves of each group in turn (unless `avx2_together(false)`), so the group's
+// record is read once and the two halves' accumulator chains overlap (measured on a Zen 3 with
+// 2 threads, benchmarks/roofline.py --avx2-together both, session 56: SmolLM2's decoder matrices
+// 0.94x the time at one and two rows, its output head 0.90x and 0.84x; the same time from three
+// rows, which take the other order either way); taller tiles take the block's first half over
+// all groups, then its second (the second pass reads the block from L1), as both halves'
+// accumulators and unpacked steps would not fit the 16 registers. Either order gives every lane
+// the same operations in the same order, so the same bits.
 template <int Bits, int MB, typename T>
 EAGLESPEC_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T* y, const T* r,
-                                      int64_t ldy, int64_t valid) {
-  for (int half = 0; half < 2; ++half) {
-    const int64_t here = std::min<int64_t>(8, valid - 8 * half);
-    if (here <= 0) break;
+                                           int64_t ldy, int64_t valid) {
+  const int halves = valid > 8 ? 2 : 1;
+  if constexpr (MB <= 2) {
+    if (avx2_together_wanted.load(std::memory_order_relaxed)) {
+      __m256 acc[2][MB];
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < x.ng; ++g) {
+        const uint8_t* gp = blk + g * group_bytes(Bits);
+        prefetch_ahead<Bits>(gp);
+        half_group_avx2<Bits, MB>(gp, 0, x, g, acc[0]);
+        if (halves == 2) half_group_avx2<Bits, MB>(gp, 1, x, g, acc[1]);
+      }
+      for (int half = 0; half < halves; ++half)
+        store_half_avx2<MB>(acc[half], half, y, r, ldy, std::min<int64_t>(8, valid - 8 * half));
+      return;
+    }
+  }
+  for (int half = 0; half < halves; ++half) {
     __m256 acc[MB];
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < x.ng; ++g) {
       const uint8_t* gp = blk + g * group_bytes(Bits);
       if (half == 0) prefetch_ahead<Bits>(gp);  // the second half reads the same lines
-      __m256i w[8];
-      half_steps<Bits>(gp, half, w);
-      const uint8_t* sp = gp + code_bytes(Bits) + 16 * half;
-      const __m256 S = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) {
-        const int64_t o = m * x.ng + g;
-        const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
-        const __m256 scale = _mm256_mul_ps(S, _mm256_set1_ps(x.dx[o]));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half_dot<Bits>(w, xp)), scale, acc[m]);
-        if constexpr (Bits == 4) {
-          const __m256 MN =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32)));
-          acc[m] = _mm256_fmadd_ps(MN, _mm256_set1_ps(x.xsum[o]), acc[m]);
-        }
-      }
+      half_group_avx2<Bits, MB>(gp, half, x, g, acc);
     }
-    alignas(32) float out[8];
-    for (int m = 0; m < MB; ++m) {
-      _mm256_store_ps(out, acc[m]);
-      T* ym = y + m * ldy + 8 * half;
-      if (r != nullptr)
-        for (int64_t i = 0; i < here; ++i) store_add(ym + i, out[i], r[m * ldy + 8 * half + i]);
-      else
-        for (int64_t i = 0; i < here; ++i) store(ym + i, out[i]);
-    }
+    store_half_avx2<MB>(acc, half, y, r, ldy, std::min<int64_t>(8, valid - 8 * half));
   }
 }
 
@@ -709,6 +749,14 @@ bool w4a8_use_avx2(bool force) {
   return avx2_on();
 }
 
+// Whether the AVX2 path's tiles of one or two rows take a block's two halves together from now on
+// (`enable`, the default) or each over all groups in turn, as taller tiles do; returns the
+// setting. The bits are the same either way: benchmarks and tests switch it.
+bool w4a8_avx2_together(bool enable) {
+  avx2_together_wanted.store(enable, std::memory_order_relaxed);
+  return enable;
+}
+
 // Whether tiles of 16 rows go through AMX from now on (`enable`, where the CPU and OS allow it);
 // returns whether they do. The bits are the same either way: benchmarks and tests switch it.
 bool w4a8_use_amx(bool enable) {
@@ -730,6 +778,7 @@ TORCH_LIBRARY(eaglespec_w4a8, m) {
   m.def("linear_add(Tensor x, Tensor w, int N, Tensor residual) -> Tensor");
   m.def("supported() -> bool");
   m.def("use_amx(bool enable) -> bool");
+  m.def("avx2_together(bool enable) -> bool");
   m.def("use_avx2(bool force) -> bool");
   m.def("amx_min_rows(int bits, int rows) -> int");
 }
@@ -743,6 +792,7 @@ TORCH_LIBRARY_IMPL(eaglespec_w4a8, CPU, m) {
 TORCH_LIBRARY_IMPL(eaglespec_w4a8, CompositeExplicitAutograd, m) {
   m.impl("supported", &w4a8_supported);
   m.impl("use_amx", &w4a8_use_amx);
+  m.impl("avx2_together", &w4a8_avx2_together);
   m.impl("use_avx2", &w4a8_use_avx2);
   m.impl("amx_min_rows", &w4a8_amx_min_rows);
 }
