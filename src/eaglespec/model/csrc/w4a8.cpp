@@ -429,24 +429,91 @@ EAGLESPEC_AVX2_TARGET inline void store_half_avx2(const __m256 (&acc)[MB], int h
   }
 }
 
-// Whether tiles of one or two rows take a block's two halves together (`avx2_together`).
+// 4-bit weights: one block against a tile of MB activation rows with its two halves together and
+// each activation dword broadcast once for both: per group and load L, the two halves' 32 code
+// bytes unpacked to their low- and high-nibble steps (4 registers), then every row's two int16
+// sums; the float accumulators live in L1 (another 2 MB registers would not fit the 16). Each
+// lane gets `accumulate`'s operations in its order, so the bits of the order by halves.
+template <int MB, typename T>
+EAGLESPEC_AVX2_TARGET void block_tile4_together_avx2(const uint8_t* blk, const Rows& x, T* y,
+                                                     const T* r, int64_t ldy, int64_t valid) {
+  alignas(32) float acc[MB][2][8] = {};
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < x.ng; ++g) {
+    const uint8_t* gp = blk + g * group_bytes(4);
+    prefetch_ahead<4>(gp);
+    __m256i s16[MB][2];
+#pragma GCC unroll 4
+    for (int L = 0; L < 4; ++L) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + L * 64));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + L * 64 + 32));
+      const __m256i wl0 = _mm256_and_si256(v0, low4), wl1 = _mm256_and_si256(v1, low4);
+      const __m256i wh0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+      const __m256i wh1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
+        const __m256i b0 = _mm256_set1_epi32(xp[2 * L]);
+        const __m256i p0 = _mm256_maddubs_epi16(wl0, b0), p1 = _mm256_maddubs_epi16(wl1, b0);
+        s16[m][0] = L == 0 ? p0 : _mm256_add_epi16(s16[m][0], p0);
+        s16[m][1] = L == 0 ? p1 : _mm256_add_epi16(s16[m][1], p1);
+        const __m256i b1 = _mm256_set1_epi32(xp[2 * L + 1]);
+        s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(wh0, b1));
+        s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(wh1, b1));
+      }
+    }
+    const uint8_t* sp = gp + code_bytes(4);
+    const __m256 S0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    const __m256 S1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+    const __m256 N0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32)));
+    const __m256 N1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 48)));
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      const int64_t o = m * x.ng + g;
+      const __m256 dx = _mm256_set1_ps(x.dx[o]), xs = _mm256_set1_ps(x.xsum[o]);
+      __m256 a0 = _mm256_load_ps(acc[m][0]), a1 = _mm256_load_ps(acc[m][1]);
+      a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m][0], ones)),
+                           _mm256_mul_ps(S0, dx), a0);
+      a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m][1], ones)),
+                           _mm256_mul_ps(S1, dx), a1);
+      _mm256_store_ps(acc[m][0], _mm256_fmadd_ps(N0, xs, a0));
+      _mm256_store_ps(acc[m][1], _mm256_fmadd_ps(N1, xs, a1));
+    }
+  }
+  for (int half = 0; half < 2 && 8 * half < valid; ++half) {
+    __m256 out[MB];
+    for (int m = 0; m < MB; ++m) out[m] = _mm256_load_ps(acc[m][half]);
+    store_half_avx2<MB>(out, half, y, r, ldy, std::min<int64_t>(8, valid - 8 * half));
+  }
+}
+
+// Whether short tiles take a block's two halves together (`avx2_together`).
 std::atomic<bool> avx2_together_wanted{true};
 
-// One weight block against a tile of MB activation rows, as block_tile. Tiles of one or two
-// rows take both halves of each group in turn (unless `avx2_together(false)`), so the group's
-// record is read once and the two halves' accumulator chains overlap (measured on a Zen 3 with
-// 2 threads, benchmarks/roofline.py --avx2-together both, session 56: SmolLM2's decoder matrices
-// 0.94x the time at one and two rows, its output head 0.90x and 0.84x; the same time from three
-// rows, which take the other order either way); taller tiles take the block's first half over
-// all groups, then its second (the second pass reads the block from L1), as both halves'
-// accumulators and unpacked steps would not fit the 16 registers. Either order gives every lane
-// the same operations in the same order, so the same bits.
+// One weight block against a tile of MB activation rows, as block_tile. A block's two halves
+// either go together, group by group, so each group's record is read once, the two halves'
+// accumulator chains overlap and (4-bit) each activation dword is broadcast once for both
+// halves; or apart, the first half over all groups, then the second (the second pass reads the
+// block from L1). Together is the default for the short tiles, where its registers fit: 4-bit
+// tiles of 1-3 rows (block_tile4_together_avx2), 8-bit of 1-2; full tiles of kTile2 rows go
+// apart. Measured on a Zen 3 with 2 threads (benchmarks/roofline.py --avx2-together both,
+// session 56), together against apart: SmolLM2's decoder matrices 0.94-0.98x the time at one
+// row, 0.88-0.94x at two, 0.80-1.00x at three, its output head 0.90-0.92x at one and 0.84-0.86x
+// at two; apart at four rows (a tile of 4 together measured 1.01x, 3 + 1 1.07x; the head's
+// tiles of 3 1.0x). Either way every lane gets the same
+// operations in the same order, so the same bits (avx2_together(false) takes every tile apart:
+// tests compare the two).
 template <int Bits, int MB, typename T>
 EAGLESPEC_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T* y, const T* r,
                                            int64_t ldy, int64_t valid) {
+  const bool together = avx2_together_wanted.load(std::memory_order_relaxed);
+  if constexpr (Bits == 4 && MB <= 3) {
+    if (together) return block_tile4_together_avx2<MB>(blk, x, y, r, ldy, valid);
+  }
   const int halves = valid > 8 ? 2 : 1;
-  if constexpr (MB <= 2) {
-    if (avx2_together_wanted.load(std::memory_order_relaxed)) {
+  if constexpr (Bits == 8 && MB <= 2) {
+    if (together) {
       __m256 acc[2][MB];
 #pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
