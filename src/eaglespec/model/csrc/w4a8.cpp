@@ -488,22 +488,74 @@ EAGLESPEC_AVX2_TARGET void block_tile4_together_avx2(const uint8_t* blk, const R
   }
 }
 
-// Whether short tiles take a block's two halves together (`avx2_together`).
+// 8-bit weights: one block against a tile of MB activation rows with its two halves together and
+// each activation dword broadcast (and its absolute value taken) once for both: per group and
+// step t, the two halves' 32 signed code bytes, then every row's two int32 sums (signed_step's
+// products); the float accumulators live in L1. Each lane gets `accumulate`'s operations in its
+// order, so the bits of the order by halves.
+template <int MB, typename T>
+EAGLESPEC_AVX2_TARGET void block_tile8_together_avx2(const uint8_t* blk, const Rows& x, T* y,
+                                                     const T* r, int64_t ldy, int64_t valid) {
+  alignas(32) float acc[MB][2][8] = {};
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < x.ng; ++g) {
+    const uint8_t* gp = blk + g * group_bytes(8);
+    prefetch_ahead<8>(gp);
+    __m256i s32[MB][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256i w0 = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64)), flip);
+      const __m256i w1 = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + 32)), flip);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
+        const __m256i xt = _mm256_set1_epi32(xp[t]), ax = _mm256_abs_epi8(xt);
+        const __m256i p0 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xt)), ones);
+        const __m256i p1 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xt)), ones);
+        s32[m][0] = t == 0 ? p0 : _mm256_add_epi32(s32[m][0], p0);
+        s32[m][1] = t == 0 ? p1 : _mm256_add_epi32(s32[m][1], p1);
+      }
+    }
+    const uint8_t* sp = gp + code_bytes(8);
+    const __m256 S0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    const __m256 S1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      const __m256 dx = _mm256_set1_ps(x.dx[m * x.ng + g]);
+      _mm256_store_ps(acc[m][0], _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[m][0]),
+                                                 _mm256_mul_ps(S0, dx), _mm256_load_ps(acc[m][0])));
+      _mm256_store_ps(acc[m][1], _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[m][1]),
+                                                 _mm256_mul_ps(S1, dx), _mm256_load_ps(acc[m][1])));
+    }
+  }
+  for (int half = 0; half < 2 && 8 * half < valid; ++half) {
+    __m256 out[MB];
+    for (int m = 0; m < MB; ++m) out[m] = _mm256_load_ps(acc[m][half]);
+    store_half_avx2<MB>(out, half, y, r, ldy, std::min<int64_t>(8, valid - 8 * half));
+  }
+}
+
+// Whether tiles take a block's two halves together where that measured faster (`avx2_together`).
 std::atomic<bool> avx2_together_wanted{true};
 
 // One weight block against a tile of MB activation rows, as block_tile. A block's two halves
-// either go together, group by group, so each group's record is read once, the two halves'
-// accumulator chains overlap and (4-bit) each activation dword is broadcast once for both
-// halves; or apart, the first half over all groups, then the second (the second pass reads the
-// block from L1). Together is the default for the short tiles, where its registers fit: 4-bit
-// tiles of 1-3 rows (block_tile4_together_avx2), 8-bit of 1-2; full tiles of kTile2 rows go
-// apart. Measured on a Zen 3 with 2 threads (benchmarks/roofline.py --avx2-together both,
-// session 56), together against apart: SmolLM2's decoder matrices 0.94-0.98x the time at one
-// row, 0.88-0.94x at two, 0.80-1.00x at three, its output head 0.90-0.92x at one and 0.84-0.86x
-// at two; apart at four rows (a tile of 4 together measured 1.01x, 3 + 1 1.07x; the head's
-// tiles of 3 1.0x). Either way every lane gets the same
-// operations in the same order, so the same bits (avx2_together(false) takes every tile apart:
-// tests compare the two).
+// either go together, group by group (block_tile4_together_avx2, block_tile8_together_avx2), so
+// each group's record is read once, the two halves' accumulator chains overlap and each
+// activation dword is broadcast once for both halves; or apart, the first half over all groups,
+// then the second (the second pass reads the block from L1). Together is the default where it
+// measured faster: 4-bit tiles of 1-3 rows (a full tile of 4 goes apart) and every 8-bit tile.
+// Measured on a Zen 3 with 2 threads (benchmarks/roofline.py --avx2-together both, session 56),
+// together against apart: SmolLM2's decoder matrices 0.94-0.98x the time at one row, 0.88-0.94x
+// at two, 0.80-1.00x at three (a 4-bit tile of 4 together 1.01x, 3 + 1 1.07x); its output head
+// 0.95-1.01x at one row, 0.77-0.98x at two, 0.79-0.82x at three, 0.91-0.97x at four, 0.85-1.04x
+// at 8-16 (the same code measured 0.91-1.05x across such runs: the VM's drift). Either way every
+// lane gets the same operations in the same order, so the same bits (avx2_together(false) takes
+// every tile apart: tests compare the two).
 template <int Bits, int MB, typename T>
 EAGLESPEC_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T* y, const T* r,
                                            int64_t ldy, int64_t valid) {
@@ -511,23 +563,10 @@ EAGLESPEC_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T*
   if constexpr (Bits == 4 && MB <= 3) {
     if (together) return block_tile4_together_avx2<MB>(blk, x, y, r, ldy, valid);
   }
-  const int halves = valid > 8 ? 2 : 1;
-  if constexpr (Bits == 8 && MB <= 2) {
-    if (together) {
-      __m256 acc[2][MB];
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < x.ng; ++g) {
-        const uint8_t* gp = blk + g * group_bytes(Bits);
-        prefetch_ahead<Bits>(gp);
-        half_group_avx2<Bits, MB>(gp, 0, x, g, acc[0]);
-        if (halves == 2) half_group_avx2<Bits, MB>(gp, 1, x, g, acc[1]);
-      }
-      for (int half = 0; half < halves; ++half)
-        store_half_avx2<MB>(acc[half], half, y, r, ldy, std::min<int64_t>(8, valid - 8 * half));
-      return;
-    }
+  if constexpr (Bits == 8) {
+    if (together) return block_tile8_together_avx2<MB>(blk, x, y, r, ldy, valid);
   }
+  const int halves = valid > 8 ? 2 : 1;
   for (int half = 0; half < halves; ++half) {
     __m256 acc[MB];
 #pragma GCC unroll 16
