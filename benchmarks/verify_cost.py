@@ -5,6 +5,7 @@ EAGLE-3 draft step, on this machine.
                                      [--sizes 1 2 4 8 16 32 64] [--repeats 15]
                                      [--quant none|int8|int4] [--compile none|block|full]
                                      [--no-attention-kernel] [--head-amx-min-rows 8 16]
+                                     [--avx2-together both]
 
 Speculative decoding pays when verifying T tokens costs little more than decoding one: the speedup
 is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size runs the
@@ -22,6 +23,10 @@ re-guarded by dynamo and recompiled, so it does not compare anything).
 --head-amx-min-rows times every size once per setting of the 8-bit kernel's fewest rows for one
 AMX tile (csrc/w4a8.cpp; 16: only full tiles, the kernel before session 30), round-robin in one
 process: what the output head's partial tiles buy a verification, where the CPU has AMX.
+
+--avx2-together both times every size with the w4a8 kernels' AVX2 tiles taking a weight block's two
+halves together (the default) and apart, round-robin in one process (the same bits; where the
+kernels run their AVX2 path: on an AVX-512 CPU it changes nothing).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def main() -> None:
     ap.add_argument("--compile", default="none")
     ap.add_argument("--no-attention-kernel", action="store_true")
     ap.add_argument("--head-amx-min-rows", type=int, nargs="+", default=[])
+    ap.add_argument("--avx2-together", choices=["on", "off", "both"], default="on")
     args = ap.parse_args()
     if args.no_attention_kernel:  # before any forward is traced: graphs keep what they saw
         cpu_attention.fits = lambda q, k: False
@@ -102,15 +108,20 @@ def main() -> None:
         # the kernel's AMX setting is touched only when asked (a CPU without the w4a8 kernel has
         # no such op), and put back after
         ops = torch.ops.eaglespec_w4a8
-        settings: list[int | None] = list(args.head_amx_min_rows) or [None]
+        together = {"on": [True], "off": [False], "both": [True, False]}[args.avx2_together]
+        settings: list[tuple[int | None, bool]] = [
+            (a, t) for a in (list(args.head_amx_min_rows) or [None]) for t in together
+        ]
         kept = ops.amx_min_rows(8, 16) if args.head_amx_min_rows else None
-        samples: dict[tuple[int | None, int, int], list[float]] = {
+        samples: dict[tuple[tuple[int | None, bool], int, int], list[float]] = {
             (a, T, i): [] for a in settings for T in steps for i in (0, 1)
         }
         for rep in range(args.repeats + 1):
             for a in settings:
-                if a is not None:
-                    ops.amx_min_rows(8, a)
+                if a[0] is not None:
+                    ops.amx_min_rows(8, a[0])
+                if args.avx2_together != "on":
+                    ops.avx2_together(a[1])
                 for T, fns in steps.items():
                     for i, fn in enumerate(fns):
                         start = time.perf_counter()
@@ -119,10 +130,14 @@ def main() -> None:
                             samples[(a, T, i)].append(time.perf_counter() - start)
         if kept is not None:
             ops.amx_min_rows(8, kept)
+        if args.avx2_together != "on":
+            ops.avx2_together(True)
         ms = {key: statistics.median(v) * 1000 for key, v in samples.items()}
         for a in settings:
-            if a is not None:
-                print(f"\nthe 8-bit kernel's AMX tiles from {a} rows")
+            if a[0] is not None:
+                print(f"\nthe 8-bit kernel's AMX tiles from {a[0]} rows")
+            if args.avx2_together != "on":
+                print(f"\nAVX2 tiles: a weight block's halves {'together' if a[1] else 'apart'}")
             base = ms[(a, args.sizes[0], 0)]
             print("| draft tokens T | target forward ms | x one token | draft head step ms |")
             print("|---|---|---|---|")
