@@ -429,6 +429,18 @@ EAGLESPEC_AVX2_TARGET inline void store_half_avx2(const __m256 (&acc)[MB], int h
   }
 }
 
+// A tile's accumulators kept in L1, acc[m][half] row m's 8 outputs of a half, stored: the block's
+// first `valid` outputs of each row.
+template <int MB, typename T>
+EAGLESPEC_AVX2_TARGET inline void store_tile_avx2(const float (&acc)[MB][2][8], T* y, const T* r,
+                                                  int64_t ldy, int64_t valid) {
+  for (int half = 0; half < 2 && 8 * half < valid; ++half) {
+    __m256 out[MB];
+    for (int m = 0; m < MB; ++m) out[m] = _mm256_load_ps(acc[m][half]);
+    store_half_avx2<MB>(out, half, y, r, ldy, std::min<int64_t>(8, valid - 8 * half));
+  }
+}
+
 // 4-bit weights: one block against a tile of MB activation rows with its two halves together and
 // each activation dword broadcast once for both: per group and load L, the two halves' 32 code
 // bytes unpacked to their low- and high-nibble steps (4 registers), then every row's two int16
@@ -481,11 +493,7 @@ EAGLESPEC_AVX2_TARGET void block_tile4_together_avx2(const uint8_t* blk, const R
       _mm256_store_ps(acc[m][1], _mm256_fmadd_ps(N1, xs, a1));
     }
   }
-  for (int half = 0; half < 2 && 8 * half < valid; ++half) {
-    __m256 out[MB];
-    for (int m = 0; m < MB; ++m) out[m] = _mm256_load_ps(acc[m][half]);
-    store_half_avx2<MB>(out, half, y, r, ldy, std::min<int64_t>(8, valid - 8 * half));
-  }
+  store_tile_avx2<MB>(acc, y, r, ldy, valid);
 }
 
 // 8-bit weights: one block against a tile of MB activation rows with its two halves together and
@@ -533,11 +541,7 @@ EAGLESPEC_AVX2_TARGET void block_tile8_together_avx2(const uint8_t* blk, const R
                                                  _mm256_mul_ps(S1, dx), _mm256_load_ps(acc[m][1])));
     }
   }
-  for (int half = 0; half < 2 && 8 * half < valid; ++half) {
-    __m256 out[MB];
-    for (int m = 0; m < MB; ++m) out[m] = _mm256_load_ps(acc[m][half]);
-    store_half_avx2<MB>(out, half, y, r, ldy, std::min<int64_t>(8, valid - 8 * half));
-  }
+  store_tile_avx2<MB>(acc, y, r, ldy, valid);
 }
 
 // Whether tiles take a block's two halves together where that measured faster (`avx2_together`).
