@@ -338,33 +338,46 @@ EAGLESPEC_AVX2_TARGET void quantize_row_avx2(const T* x, const Rows& r) {
   }
 }
 
+// 32 code bytes of a 4-bit record's load at p -> its two steps: the low nibbles (lo) and the high
+// nibbles (hi), each byte 0..15.
+EAGLESPEC_AVX2_TARGET inline void nibble_steps(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_and_si256(v, low4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+}
+
+// 32 code bytes of an 8-bit record's step at p -> the signed codes (the stored q + 128 with its
+// top bit flipped).
+EAGLESPEC_AVX2_TARGET inline __m256i signed_codes(const uint8_t* p) {
+  return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                          _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+
 // One half group's 8 steps of 32 code bytes (lane i's 4 bytes: the half's row i, features
 // 4t..4t+3), for 4 bits unpacked from the record's 4 loads of low and high nibbles; for 8 bits
-// the signed codes (the stored q + 128 with its top bit flipped).
+// the signed codes.
 template <int Bits>
 EAGLESPEC_AVX2_TARGET inline void half_steps(const uint8_t* gp, int half, __m256i (&w)[8]) {
   if constexpr (Bits == 4) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int L = 0; L < 4; ++L) {
-      const auto* p = reinterpret_cast<const __m256i*>(gp + L * 64 + 32 * half);
-      const __m256i v = _mm256_loadu_si256(p);
-      w[2 * L] = _mm256_and_si256(v, low4);
-      w[2 * L + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    }
+    for (int L = 0; L < 4; ++L) nibble_steps(gp + L * 64 + 32 * half, w[2 * L], w[2 * L + 1]);
   } else {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int t = 0; t < 8; ++t)
-      w[t] = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + 32 * half)), flip);
+    for (int t = 0; t < 8; ++t) w[t] = signed_codes(gp + t * 64 + 32 * half);
   }
 }
 
-// One step of 8 signed weight rows (4 codes each) against 4 signed activation codes (x, a dword)
-// -> int32 per row, exact: vpmaddubsw wants an unsigned operand, so |x| and w with x's signs.
+// One step of 8 signed weight rows (4 codes each) against 4 signed activation codes broadcast to
+// every lane (xt, and ax its absolute values) -> int32 per row, exact: vpmaddubsw wants an
+// unsigned operand, so |x| and w with x's signs.
+EAGLESPEC_AVX2_TARGET inline __m256i signed_pairs(__m256i w, __m256i xt, __m256i ax) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, xt)),
+                           _mm256_set1_epi16(1));
+}
+
+// signed_pairs against 4 codes given as a dword.
 EAGLESPEC_AVX2_TARGET inline __m256i signed_step(__m256i w, int32_t x) {
   const __m256i xt = _mm256_set1_epi32(x);
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xt), _mm256_sign_epi8(w, xt));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  return signed_pairs(w, xt, _mm256_abs_epi8(xt));
 }
 
 // One half group's int32 dot products of 8 weight rows with one activation row's 32 codes (x,
@@ -450,18 +463,15 @@ template <int MB, typename T>
 EAGLESPEC_AVX2_TARGET void block_tile4_together_avx2(const uint8_t* blk, const Rows& x, T* y,
                                                      const T* r, int64_t ldy, int64_t valid) {
   alignas(32) float acc[MB][2][8] = {};
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < x.ng; ++g) {
     const uint8_t* gp = blk + g * group_bytes(4);
     prefetch_ahead<4>(gp);
     __m256i s16[MB][2];
 #pragma GCC unroll 4
     for (int L = 0; L < 4; ++L) {
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + L * 64));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + L * 64 + 32));
-      const __m256i wl0 = _mm256_and_si256(v0, low4), wl1 = _mm256_and_si256(v1, low4);
-      const __m256i wh0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-      const __m256i wh1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+      __m256i wl0, wh0, wl1, wh1;  // the two halves' low- and high-nibble steps
+      nibble_steps(gp + L * 64, wl0, wh0);
+      nibble_steps(gp + L * 64 + 32, wl1, wh1);
 #pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {
         const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
@@ -505,26 +515,18 @@ template <int MB, typename T>
 EAGLESPEC_AVX2_TARGET void block_tile8_together_avx2(const uint8_t* blk, const Rows& x, T* y,
                                                      const T* r, int64_t ldy, int64_t valid) {
   alignas(32) float acc[MB][2][8] = {};
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < x.ng; ++g) {
     const uint8_t* gp = blk + g * group_bytes(8);
     prefetch_ahead<8>(gp);
     __m256i s32[MB][2];
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      const __m256i w0 = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64)), flip);
-      const __m256i w1 = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + t * 64 + 32)), flip);
+      const __m256i w0 = signed_codes(gp + t * 64), w1 = signed_codes(gp + t * 64 + 32);
 #pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {
         const auto* xp = reinterpret_cast<const int32_t*>(x.xq + m * x.K + g * kGroup);
         const __m256i xt = _mm256_set1_epi32(xp[t]), ax = _mm256_abs_epi8(xt);
-        const __m256i p0 =
-            _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xt)), ones);
-        const __m256i p1 =
-            _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xt)), ones);
+        const __m256i p0 = signed_pairs(w0, xt, ax), p1 = signed_pairs(w1, xt, ax);
         s32[m][0] = t == 0 ? p0 : _mm256_add_epi32(s32[m][0], p0);
         s32[m][1] = t == 0 ? p1 : _mm256_add_epi32(s32[m][1], p1);
       }
@@ -859,9 +861,10 @@ bool w4a8_use_avx2(bool force) {
   return avx2_on();
 }
 
-// Whether the AVX2 path's tiles of one or two rows take a block's two halves together from now on
-// (`enable`, the default) or each over all groups in turn, as taller tiles do; returns the
-// setting. The bits are the same either way: benchmarks and tests switch it.
+// Whether the AVX2 path's tiles take a block's two halves together from now on where that
+// measured faster (`enable`, the default: 4-bit tiles of 1-3 rows, every 8-bit tile) or each
+// over all groups in turn; returns the setting. The bits are the same either way: benchmarks and
+// tests switch it.
 bool w4a8_avx2_together(bool enable) {
   avx2_together_wanted.store(enable, std::memory_order_relaxed);
   return enable;
