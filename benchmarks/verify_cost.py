@@ -5,7 +5,7 @@ EAGLE-3 draft step, on this machine.
                                      [--sizes 1 2 4 8 16 32 64] [--repeats 15]
                                      [--quant none|int8|int4] [--compile none|block|full]
                                      [--no-attention-kernel] [--head-amx-min-rows 8 16]
-                                     [--avx2-together both]
+                                     [--avx2-together both] [--direct both|each]
 
 Speculative decoding pays when verifying T tokens costs little more than decoding one: the speedup
 is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size runs the
@@ -27,6 +27,11 @@ process: what the output head's partial tiles buy a verification, where the CPU 
 --avx2-together both times every size with the w4a8 kernels' AVX2 tiles taking a weight block's two
 halves together (the default) and apart, round-robin in one process (the same bits; where the
 kernels run their AVX2 path: on an AVX-512 CPU it changes nothing).
+
+--direct both times every size with the fused layer's kernels called directly and run in one team
+of threads a forward (csrc/layer.cpp's native_layer and csrc/team.h: the default, "on") and
+through the ops, each in a parallel region of its own ("off", the fused layer before session 57),
+round-robin in one process (the same bits); `each` adds the team alone and the direct calls alone.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def main() -> None:
     ap.add_argument("--no-attention-kernel", action="store_true")
     ap.add_argument("--head-amx-min-rows", type=int, nargs="+", default=[])
     ap.add_argument("--avx2-together", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--direct", choices=["on", "off", "both", "each"], default="on")
     args = ap.parse_args()
     if args.no_attention_kernel:  # before any forward is traced: graphs keep what they saw
         cpu_attention.fits = lambda q, k: False
@@ -109,11 +115,22 @@ def main() -> None:
         # no such op), and put back after
         ops = torch.ops.eaglespec_w4a8
         together = {"on": [True], "off": [False], "both": [True, False]}[args.avx2_together]
-        settings: list[tuple[int | None, bool]] = [
-            (a, t) for a in (list(args.head_amx_min_rows) or [None]) for t in together
+        # (team, direct calls) of the fused layer ops (csrc/layer.cpp's use_team, use_native)
+        direct = {
+            "on": [(True, True)],
+            "off": [(False, False)],
+            "both": [(True, True), (False, False)],
+            "each": [(True, True), (True, False), (False, True), (False, False)],
+        }[args.direct]
+        settings: list[tuple[int | None, bool, tuple[bool, bool]]] = [
+            (a, t, d)
+            for a in (list(args.head_amx_min_rows) or [None])
+            for t in together
+            for d in direct
         ]
         kept = ops.amx_min_rows(8, 16) if args.head_amx_min_rows else None
-        samples: dict[tuple[tuple[int | None, bool], int, int], list[float]] = {
+        layer_ops = torch.ops.eaglespec_layer if args.direct != "on" else None
+        samples: dict[tuple[tuple[int | None, bool, tuple[bool, bool]], int, int], list[float]] = {
             (a, T, i): [] for a in settings for T in steps for i in (0, 1)
         }
         for rep in range(args.repeats + 1):
@@ -122,6 +139,9 @@ def main() -> None:
                     ops.amx_min_rows(8, a[0])
                 if args.avx2_together != "on":
                     ops.avx2_together(a[1])
+                if layer_ops is not None:
+                    layer_ops.use_team(a[2][0])
+                    layer_ops.use_native(a[2][1])
                 for T, fns in steps.items():
                     for i, fn in enumerate(fns):
                         start = time.perf_counter()
@@ -132,18 +152,38 @@ def main() -> None:
             ops.amx_min_rows(8, kept)
         if args.avx2_together != "on":
             ops.avx2_together(True)
+        if layer_ops is not None:
+            layer_ops.use_team(True)
+            layer_ops.use_native(True)
         ms = {key: statistics.median(v) * 1000 for key, v in samples.items()}
         for a in settings:
             if a[0] is not None:
                 print(f"\nthe 8-bit kernel's AMX tiles from {a[0]} rows")
             if args.avx2_together != "on":
                 print(f"\nAVX2 tiles: a weight block's halves {'together' if a[1] else 'apart'}")
+            if args.direct != "on":
+                team, native = a[2]
+                print(
+                    f"\nfused layer: {'one team a forward' if team else 'a region per kernel'}, "
+                    f"kernels {'called directly' if native else 'through the ops'}"
+                )
             base = ms[(a, args.sizes[0], 0)]
             print("| draft tokens T | target forward ms | x one token | draft head step ms |")
             print("|---|---|---|---|")
             for T in args.sizes:
                 f, d = ms[(a, T, 0)], ms[(a, T, 1)]
                 print(f"| {T} | {f:.1f} | {f / base:.2f} | {d:.2f} |")
+        if len(settings) > 1:  # each setting's times over the last one's, in the same process
+            last = settings[-1]
+            print(f"\ntime over the last setting's: {', '.join(map(str, settings))}")
+            print("| draft tokens T | target forward | draft head step |")
+            print("|---|---|---|")
+            for T in args.sizes:
+                cols = [
+                    " / ".join(f"{ms[(a, T, i)] / ms[(last, T, i)]:.3f}" for a in settings)
+                    for i in (0, 1)
+                ]
+                print(f"| {T} | {cols[0]} | {cols[1]} |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from eaglespec.draft.proposer import Eagle3Proposer
 from eaglespec.engine import generate_speculative
 from eaglespec.generate import generate_stream
 from eaglespec.model import cpu_layer
+from eaglespec.model.layers import rope_cos_sin
 from eaglespec.model.llama import Transformer
 from eaglespec.model.quant import quantize_model
 from eaglespec.requests import collect_outputs
@@ -85,6 +86,89 @@ def test_the_fused_layer_has_the_python_forwards_bits(
     assert cpu_layer.fits(block, x, model.new_cache(1, 4).k_layers[0], plan)
     with torch.inference_mode():
         _assert_fused_is_python(model, monkeypatch)
+
+
+def _wide_run(model: Transformer) -> list[torch.Tensor]:
+    """A 2 x 30-token prefill (60 rows: in one team), two one-token steps and a 3-token chain:
+    every forward's logits and captured states, then the caches."""
+    cache = model.new_cache(2, 48)
+    torch.manual_seed(4)
+    ids = torch.randint(0, V, (2, 30))
+    outs = [model(ids, torch.arange(30).expand(2, 30), cache, capture=(1, 2)).logits]
+    cache.advance([30, 30])
+    for t in (1, 1, 3):
+        step = torch.randint(0, V, (2, t))
+        pos = torch.tensor(cache.lengths)[:, None] + torch.arange(t)
+        out = model(step, pos, cache, capture=(1, 2))
+        outs += [out.logits, *out.hidden]
+        cache.advance([t, t])
+    return [*outs, cache.k, cache.v]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernels_called_directly_in_one_team_give_the_ops_bits(
+    dtype: torch.dtype, bias: bool
+) -> None:
+    """The fused forward's kernels called directly (layer.cpp's native_layer, `use_native`; a
+    model with biases goes through the ops either way) and run in one team of threads (team.h,
+    `use_team`: two threads, each matrix's and attention's chunks taken in pieces, the last
+    ones by whichever thread is free) against each kernel called as an op in a parallel region
+    of its own: the same logits, states and caches, bit for bit. Wide enough (hidden 512, 30
+    keys) that the matrices and attention are shared between the threads."""
+    model = quantize_model(tiny_target(8, vocab=V, hidden=512, layers=2).to(dtype), "w4a8")
+    if bias:
+        for block in model.layers:
+            lin = block.attn.wqkv
+            lin.bias = torch.nn.Parameter(torch.randn(lin.out_features).to(dtype) * 0.1, False)
+    ops = torch.ops.eaglespec_layer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    runs = {}
+    try:
+        with torch.inference_mode():
+            for team in (False, True):
+                for native in (False, True):
+                    ops.use_team(team)
+                    ops.use_native(native)
+                    runs[team, native] = _wide_run(model)
+    finally:
+        ops.use_team(True)
+        ops.use_native(True)
+        torch.set_num_threads(threads)
+    for key, outs in runs.items():
+        for a, b in zip(outs, runs[False, False], strict=True):
+            assert torch.equal(a, b), key
+
+
+def test_an_error_inside_a_team_leaves_the_next_forward_whole() -> None:
+    """A forward that fails inside its team (a cache slot past the end, refused by rope_write on
+    the team's first thread) raises the kernel's error, and the next forward runs, with the bits
+    of one that never failed."""
+    model = _target(torch.bfloat16)
+    ops = torch.ops.eaglespec_layer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            cache = model.new_cache(1, 8)
+            model(RAGGED_PROMPTS[:1], torch.arange(6)[None], cache)
+            cache.advance([6])
+            ids, pos = torch.tensor([[3]]), torch.tensor([[6]])
+            want = model(ids, pos, copy.deepcopy(cache)).logits
+            x = model.embed(ids)
+            stack = cpu_layer.stack_args(model)
+            assert stack is not None
+            plan = cache.plan(1)
+            rope = rope_cos_sin(pos, model.inv_freq, x.dtype)
+            with pytest.raises(RuntimeError, match="slot 99 outside the cache"):
+                ops.stack(
+                    x, stack.layers, *rope, cache.k_layers, cache.v_layers,
+                    torch.tensor([[99]]), plan.num_keys, plan.mask, [],
+                )  # fmt: skip
+            assert torch.equal(model(ids, pos, cache).logits, want)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

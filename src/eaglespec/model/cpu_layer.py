@@ -35,6 +35,7 @@ one-token step 0.72 -> 0.55 ms, a two-token catch-up with fc 0.95 -> 0.70 ms.
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 from collections.abc import Callable
@@ -351,9 +352,30 @@ class StackArgs:
     num_heads: int
     fused: bool  # every layer a fused Block, their eps, sizes and head counts alike
     sources: Checks
+    # the ops' Stack (csrc/layer.cpp) holding norms, matrices and num_heads, built once: passed
+    # as lists at every call, their 360-odd tensors cost about 0.2 ms of a SmolLM2 decode step
+    layers: object = None
 
     def current(self) -> bool:
         return self.sources.current()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> StackArgs:
+        """A copy over the copied model's tensors (`memo`), its Stack bound to them anew (the
+        Stack's own copy would copy the tensors apart from the model's)."""
+        norms, matrices = copy.deepcopy(self.norms, memo), copy.deepcopy(self.matrices, memo)
+        return StackArgs(
+            norms,
+            matrices,
+            self.num_heads,
+            self.fused,
+            copy.deepcopy(self.sources, memo),
+            None if self.layers is None else _bind(norms, matrices, self.num_heads),
+        )
+
+
+def _bind(norms: tuple[object, ...], matrices: tuple[object, ...], num_heads: int) -> object:
+    """The ops' Stack over a decoder's norms and matrices as StackArgs holds them."""
+    return torch.classes.eaglespec_layer.Stack(*norms, *matrices, num_heads)
 
 
 def stack_args(model: nn.Module) -> StackArgs | None:
@@ -379,12 +401,15 @@ def _stack_build(model: nn.Module) -> StackArgs:
     # the forward op's matrices (wqkv, bqkv, N, wo, bo, w13, b13, N, w2, b2), each a list over
     # the layers but the output sizes N (at 2 and 7), alike over the layers
     cols = [list(c) for c in zip(*(a.matrices for a in args), strict=True)]
+    norms = ([a.norms[0] for a in args], [a.norms[1] for a in args], first.norms[2])
+    matrices = tuple(first.matrices[i] if i in (2, 7) else cols[i] for i in range(10))
     return StackArgs(
-        norms=([a.norms[0] for a in args], [a.norms[1] for a in args], first.norms[2]),
-        matrices=tuple(first.matrices[i] if i in (2, 7) else cols[i] for i in range(10)),
+        norms=norms,
+        matrices=matrices,
         num_heads=first.num_heads,
         fused=alike,
         sources=Checks.of(sources),
+        layers=_bind(norms, matrices, first.num_heads) if alike else None,
     )
 
 
@@ -401,15 +426,13 @@ def forward_stack(
     captured boundary, in capture's order (the same tensors the per-layer loop gives)."""
     out: list[torch.Tensor] = torch.ops.eaglespec_layer.stack(
         x,
-        *args.norms,
-        *args.matrices,
+        args.layers,
         *rope,
         k_layers,
         v_layers,
         plan.slots,
         plan.num_keys,
         plan.mask,
-        args.num_heads,
         list(capture),
     )
     return out[0], out[1:]
@@ -465,14 +488,12 @@ def forward_decoder(
         x,
         positions,
         tail.inv_freq,
-        *stack.norms,
-        *stack.matrices,
+        stack.layers,
         k_layers,
         v_layers,
         plan.slots,
         plan.num_keys,
         plan.mask,
-        stack.num_heads,
         list(capture),
         norm,
         logit_index,

@@ -1,23 +1,31 @@
 """Build and load eaglespec's own C++ CPU kernels (csrc/) on first use.
 
-Each kernel is compiled for the machine at hand with torch.utils.cpp_extension (ninja and a C++
-compiler; seconds, cached under torch's extension directory, keyed by the source's digest) and
-registers its ops with torch.library. A kernel that cannot build or run here is reported, not
-raised: callers fall back to PyTorch's own ops or refuse with the reason.
+The engine's kernels (KERNELS: w4a8, attention, rowops and the fused layer that calls them) are
+compiled together into one library for the machine at hand with torch.utils.cpp_extension (ninja
+and a C++ compiler; a minute on 2 cores, cached under torch's extension directory, keyed by the
+sources' digest); each registers its ops with torch.library under its own namespace. One library,
+so that the fused layer's forward and the kernels it calls share one team of threads
+(csrc/team.h) instead of starting one for every matrix. Other sources (the roofline benchmark's)
+build alone. A kernel that cannot build or run here is reported, not raised: callers fall back
+to PyTorch's own ops or refuse with the reason.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 CSRC = Path(__file__).parent / "csrc"
+# The engine's kernels, built into one library (the module doc): csrc/{name}.cpp each, whose
+# torch.library namespace is eaglespec_{name}.
+KERNELS = ("w4a8", "attention", "rowops", "layer")
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` compiles into the
 # library; without the flag it runs on one thread. The OpenMP runtime it links is the one torch
 # has already loaded (same soname), so there is one thread pool.
@@ -37,31 +45,35 @@ def constant_to_dynamo(fn: F) -> F:
     return fn
 
 
-def build_name(source: Path, module: str) -> str:
-    """`module` and a digest of the source, the headers beside it, the flags and the source's
-    path: torch rebuilds a module whose build file names other sources, so two checkouts sharing
-    one build folder (a clone and its CI copy) would otherwise rebuild it in turn."""
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = source.read_bytes() + headers + repr(CFLAGS).encode() + str(source.resolve()).encode()
+def build_name(sources: Path | Sequence[Path], module: str) -> str:
+    """`module` and a digest of the sources, the headers beside them, the flags and the sources'
+    paths: torch rebuilds a module whose build file names other sources, so two checkouts
+    sharing one build folder (a clone and its CI copy) would otherwise rebuild it in turn."""
+    files = [sources] if isinstance(sources, Path) else list(sources)
+    key = b"".join(f.read_bytes() + str(f.resolve()).encode() for f in files)
+    headers = b"".join(h.read_bytes() for h in sorted(files[0].parent.glob("*.h")))
+    key += headers + repr(CFLAGS).encode()
     return f"{module}_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def compile_and_load(source: Path, module: str) -> None:
-    """Compile a C++ source with CFLAGS and load it (its ops register themselves), cached under
-    its `build_name`; raises if it does not build."""
+def compile_and_load(sources: Path | Sequence[Path], module: str) -> None:
+    """Compile C++ sources with CFLAGS into one library and load it (their ops register
+    themselves), cached under its `build_name`; raises if it does not build."""
     from torch.utils import cpp_extension
 
-    name = build_name(source, module)
+    files = [sources] if isinstance(sources, Path) else list(sources)
+    name = build_name(files, module)
     folder = Path(cpp_extension._get_build_directory(name, verbose=False))
     wait_for_lock(folder / "lock", STALE_LOCK_SECONDS)
     if not (folder / f"{name}.so").exists():
+        what = " and ".join(f.stem for f in files)
         print(
-            f"[building the {source.stem} kernel for this CPU, once: seconds to a minute]",
+            f"[building the {what} kernels for this CPU, once: seconds to a minute]",
             file=sys.stderr,
         )
     cpp_extension.load(
         name=name,
-        sources=[str(source)],
+        sources=[str(f) for f in files],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
@@ -93,16 +105,31 @@ def wait_for_lock(lock: Path, stale_after: float, poll: float = 1.0) -> None:
         time.sleep(poll)
 
 
-def build(name: str, needs: str) -> str | None:
-    """Compile and load csrc/{name}.cpp, whose torch.library namespace is eaglespec_{name} with
-    a `supported()` op; None when it runs here, else why not (a failed build, or a CPU without
-    `needs`, say "a CPU with AVX-512")."""
+@functools.cache
+def _build_kernels() -> str | None:
+    """Compile and load KERNELS' library once per process; None if it loaded, else why not."""
     try:
-        import torch
-
-        compile_and_load(CSRC / f"{name}.cpp", f"eaglespec_{name}")
+        compile_and_load([CSRC / f"{k}.cpp" for k in KERNELS], "eaglespec_cpu")
     except Exception as e:  # no compiler, no ninja, a failed build: say which
-        return f"the {name} kernel did not build ({type(e).__name__}: {str(e)[:300]})"
+        return f"the CPU kernels did not build ({type(e).__name__}: {str(e)[:300]})"
+    return None
+
+
+def build(name: str, needs: str) -> str | None:
+    """Compile and load csrc/{name}.cpp (for one of KERNELS: their library), whose
+    torch.library namespace is eaglespec_{name} with a `supported()` op; None when it runs
+    here, else why not (a failed build, or a CPU without `needs`, say "a CPU with AVX-512")."""
+    import torch
+
+    if name in KERNELS:
+        reason = _build_kernels()
+        if reason is not None:
+            return reason
+    else:
+        try:
+            compile_and_load(CSRC / f"{name}.cpp", f"eaglespec_{name}")
+        except Exception as e:  # no compiler, no ninja, a failed build: say which
+            return f"the {name} kernel did not build ({type(e).__name__}: {str(e)[:300]})"
     if not getattr(torch.ops, f"eaglespec_{name}").supported():
         return f"the {name} kernel needs {needs}"
     return None

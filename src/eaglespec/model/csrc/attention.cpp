@@ -16,6 +16,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"  // the kernels called from C++ (layer.cpp)
+#include "team.h"     // parallel_for: through the forward's team where one runs (layer.cpp)
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -462,7 +465,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (avx2_on()) {  // the rows split among the threads as below; unmasked rows of a KV head
                     // up to kShareRows at a time share the keys' widening (rows_avx2), a tree's
                     // rows alone (row_avx2)
-    at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    team::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
       std::vector<float> scores(kShareRows * (K + 16)), packed(K + 16);
       std::vector<float> kb(16 * 16 * C), acc(kShareRows * 16 * C);
       const T* qrow[kShareRows];
@@ -498,7 +501,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     });
     return;
   }
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> scores((kShareRows + 1) * (K + 16)), packed(K + 16);  // + a lone row's
     alignas(64) float kb[16 * 16 * (C <= 8 ? C : 1)];  // a widened block of keys (score_rows)
     const T* qrow[kShareRows];
@@ -560,6 +563,14 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) {
 }
 
 }  // namespace
+
+void kernels::attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, double scale, at::Tensor& out) {
+  if (q.scalar_type() == at::kBFloat16)
+    dispatch<at::BFloat16>(q, k, v, mask, scale, out);
+  else
+    dispatch<float>(q, k, v, mask, scale, out);
+}
 
 // q (B, H, T, D); k, v (B, Hkv, K, D); mask (B, 1, T, K) bool or None -> (B, H, T, D), a view
 // of a (B, T, H, D) contiguous tensor (what the caller's transpose and reshape want).

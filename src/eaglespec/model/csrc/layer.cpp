@@ -5,18 +5,28 @@
 //   h = rms_norm(x); qkv = w4a8(h) (+ bias); q = rope_write(qkv -> cache); a = attend(q, cache)
 //   x = x + w4a8(a) (+ bias); h = rms_norm(x); g, u = w4a8(h) (+ bias); x = x + w4a8(silu_mul(g, u))
 //
-// The same ops as the Python forward (eaglespec's kernels through the dispatcher, SwiGLU's
-// included (rowops' silu_mul); ATen for the adds and Gemma's GeGLU; a residual add after a matrix without a bias is the kernel's own,
-// `linear_add`, with ATen's bits), so the same bits: what this saves is Python, about 50 us a
-// layer.
+// The same ops as the Python forward (eaglespec's kernels, SwiGLU's included (rowops'
+// silu_mul); ATen for the adds and Gemma's GeGLU; a residual add after a matrix without a bias is
+// the kernel's own, `linear_add`, with ATen's bits), so the same bits: what this saves is Python,
+// about 50 us a layer. A layer without biases calls the kernels directly (native_layer, through
+// kernels.h: the same functions, without an op, output tensor and view each); others call them
+// through the dispatcher. Every op runs a forward of few rows in one team of threads (team.h,
+// Teamed below).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
+
+#include "kernels.h"  // the kernels called directly (native_layer)
+#include "team.h"     // each op's forward in one team of threads where it has few rows
 
 namespace {
 
@@ -83,6 +93,98 @@ at::Tensor project_add(const at::Tensor& x2, const at::Tensor& w,
   return ops().linear_add.call(x2, w, N, residual);
 }
 
+// Whether layer_from runs its kernels directly (native_layer) where it can, from now on
+// (`use_native`, the default); the ops' way otherwise. The same bits either way.
+std::atomic<bool> native_wanted{true};
+
+// The row type's layer from its attention input on, as layer_from below, its kernels called
+// directly (kernels.h): the same functions on the same rows as through the ops, so the same bits,
+// without an op call, output tensor, view and check for each (about 1.5 ms of a 7.5 ms SmolLM2
+// decode step on a 2-core VM, session 57). For layers without biases, with contiguous rows and
+// the model's dtype throughout; layer_from checks that and otherwise goes through the ops.
+template <typename T>
+at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
+                        double eps, const at::Tensor& wqkv, int64_t n_qkv, const at::Tensor& wo,
+                        const at::Tensor& w13, int64_t n_13, const at::Tensor& w2,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                        at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
+                        const std::optional<at::Tensor>& mask, int64_t num_heads) {
+  const int64_t B = residual.size(0), T_ = residual.size(1), C = residual.size(2);
+  const int64_t Cin = h.size(2), R = B * T_;
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), H = num_heads, I = n_13 / 2;
+  const at::TensorOptions opts = residual.options();
+  kernels::w4a8_check(wqkv, Cin, n_qkv, 4);
+  kernels::w4a8_check(wo, H * D, C, 4);
+  kernels::w4a8_check(w13, C, n_13, 4);
+  kernels::w4a8_check(w2, I, C, 4);
+  at::Tensor qkv = at::empty({B, T_, H + 2 * Hkv, D}, opts);
+  kernels::w4a8_rows<T>(4, h.data_ptr<T>(), R, Cin, wqkv.data_ptr<uint8_t>(), n_qkv,
+                        qkv.data_ptr<T>(), nullptr);
+  at::Tensor q = at::empty({B, T_, H, D}, opts);
+  kernels::rope_write_rows<T>(qkv, cos, sin, k_cache, v_cache, slots, q);
+  at::Tensor a = at::empty({B, T_, H, D}, opts);
+  kernels::attend_into(q.transpose(1, 2), k_cache.narrow(2, 0, num_keys),
+                       v_cache.narrow(2, 0, num_keys), mask, std::pow(double(D), -0.5), a);
+  at::Tensor x_attn = at::empty({B, T_, C}, opts);  // residual + wo(a)
+  kernels::w4a8_rows<T>(4, a.data_ptr<T>(), R, H * D, wo.data_ptr<uint8_t>(), C,
+                        x_attn.data_ptr<T>(), residual.data_ptr<T>());
+  at::Tensor h2 = at::empty({R, C}, opts);
+  if (mlp_norm.scalar_type() == at::kFloat)
+    kernels::rms_norm_rows<T, float>(x_attn.data_ptr<T>(), mlp_norm.data_ptr<float>(),
+                                     h2.data_ptr<T>(), R, C, static_cast<float>(eps));
+  else
+    kernels::rms_norm_rows<T, T>(x_attn.data_ptr<T>(), mlp_norm.data_ptr<T>(), h2.data_ptr<T>(),
+                                 R, C, static_cast<float>(eps));
+  at::Tensor gu = at::empty({R, n_13}, opts);
+  kernels::w4a8_rows<T>(4, h2.data_ptr<T>(), R, C, w13.data_ptr<uint8_t>(), n_13,
+                        gu.data_ptr<T>(), nullptr);
+  at::Tensor act = at::empty({R, I}, opts);  // silu(gate) * up
+  kernels::silu_mul_rows<T>(gu.data_ptr<T>(), n_13, R, I, act.data_ptr<T>());
+  at::Tensor out = at::empty({B, T_, C}, opts);  // x_attn + w2(act)
+  kernels::w4a8_rows<T>(4, act.data_ptr<T>(), R, I, w2.data_ptr<uint8_t>(), C, out.data_ptr<T>(),
+                        x_attn.data_ptr<T>());
+  return out;
+}
+
+// Whether native_layer takes this layer: no biases; residual, h, the norm's weight, rope and the
+// caches in one dtype (fp32 or bf16; the norm's weight may be fp32), residual and h contiguous;
+// the arguments rope_write and attention check (shapes, slots, mask) as they check them.
+bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
+                 const std::optional<at::Tensor>& bqkv, const std::optional<at::Tensor>& bo,
+                 const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+                 const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
+                 const std::optional<at::Tensor>& mask, int64_t num_heads, int64_t n_13) {
+  if (!native_wanted.load(std::memory_order_relaxed)) return false;
+  if (bqkv.has_value() || bo.has_value() || b13.has_value() || b2.has_value()) return false;
+  const auto dt = residual.scalar_type();
+  if (dt != at::kFloat && dt != at::kBFloat16) return false;
+  for (const at::Tensor* t : {&h, &cos, &sin, &k_cache, &v_cache})
+    if (t->scalar_type() != dt || !t->device().is_cpu()) return false;
+  if (mlp_norm.scalar_type() != dt && mlp_norm.scalar_type() != at::kFloat) return false;
+  if (!residual.is_contiguous() || !h.is_contiguous() || !mlp_norm.is_contiguous()) return false;
+  if (!cos.is_contiguous() || !sin.is_contiguous() || !slots.is_contiguous()) return false;
+  if (slots.scalar_type() != at::kLong || k_cache.dim() != 4 || v_cache.dim() != 4) return false;
+  if (k_cache.stride(3) != 1 || v_cache.stride(3) != 1 || k_cache.stride(1) != v_cache.stride(1))
+    return false;
+  const int64_t B = residual.size(0), T_ = residual.size(1), C = residual.size(2);
+  const int64_t D = k_cache.size(3), S = k_cache.size(2);
+  if (n_13 % 2 != 0 || D % 32 != 0 || mlp_norm.numel() != C || num_heads % k_cache.size(1) != 0)
+    return false;
+  if (k_cache.sizes() != v_cache.sizes() || k_cache.size(0) != B) return false;
+  if (cos.numel() != B * T_ * D || sin.numel() != B * T_ * D || slots.numel() != B * T_)
+    return false;
+  if (num_keys < 0 || num_keys > S) return false;
+  if (mask.has_value() &&
+      (mask->scalar_type() != at::kBool || mask->dim() != 4 || mask->size(0) != B ||
+       mask->size(1) != 1 || mask->size(2) != T_ || mask->size(3) != num_keys))
+    return false;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T_; ++i)
+    if (sp[i] < 0 || sp[i] >= S) return false;  // the op says which slot
+  return true;
+}
+
 }  // namespace
 
 // The layer from its attention input on: h (B, T, Cin) the normed input of the q/k/v projection,
@@ -104,6 +206,15 @@ at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at:
               Hkv, " heads of ", D);
   TORCH_CHECK(h.dim() == 3 && h.size(0) == B && h.size(1) == T, "layer: attention input ",
               h.sizes(), " for a residual of ", residual.sizes());
+  if (native_fits(residual, h, mlp_norm, bqkv, bo, b13, b2, cos, sin, k_cache, v_cache, slots,
+                  num_keys, mask, num_heads, n_13)) {
+    if (residual.scalar_type() == at::kBFloat16)
+      return native_layer<at::BFloat16>(residual, h, mlp_norm, eps, wqkv, n_qkv, wo, w13, n_13,
+                                        w2, cos, sin, k_cache, v_cache, slots, num_keys, mask,
+                                        num_heads);
+    return native_layer<float>(residual, h, mlp_norm, eps, wqkv, n_qkv, wo, w13, n_13, w2, cos,
+                               sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
+  }
   const at::Tensor x2 = residual.reshape({B * T, C});
   const at::Tensor qkv = project(h.reshape({B * T, h.size(2)}), wqkv, bqkv, n_qkv)
                              .view({B, T, H + 2 * Hkv, D});
@@ -135,24 +246,50 @@ at::Tensor layer_forward(const at::Tensor& x, const at::Tensor& attn_norm, const
                     n_13, w2, b2, cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
 }
 
+// A decoder's layers, held by the model's Python side (cpu_layer.StackArgs) and passed to the
+// stack and decoder ops as one object: each layer's norms, matrices (4-bit) and biases (None
+// without), and what the layers share (eps, the q/k/v and gate/up output sizes, the query
+// heads). Passed as lists at every call, the 360-odd tensors of SmolLM2's 30 layers cost about
+// 0.4 ms of each decode step in their conversion to and from the dispatcher's values.
+struct Stack : torch::CustomClassHolder {
+  std::vector<at::Tensor> attn_norms, mlp_norms, wqkv, wo, w13, w2;
+  c10::List<std::optional<at::Tensor>> bqkv, bo, b13, b2;
+  double eps;
+  int64_t n_qkv, n_13, num_heads;
+
+  Stack(std::vector<at::Tensor> attn_norms, std::vector<at::Tensor> mlp_norms, double eps,
+        std::vector<at::Tensor> wqkv, c10::List<std::optional<at::Tensor>> bqkv, int64_t n_qkv,
+        std::vector<at::Tensor> wo, c10::List<std::optional<at::Tensor>> bo,
+        std::vector<at::Tensor> w13, c10::List<std::optional<at::Tensor>> b13, int64_t n_13,
+        std::vector<at::Tensor> w2, c10::List<std::optional<at::Tensor>> b2, int64_t num_heads)
+      : attn_norms(std::move(attn_norms)), mlp_norms(std::move(mlp_norms)), wqkv(std::move(wqkv)),
+        wo(std::move(wo)), w13(std::move(w13)), w2(std::move(w2)), bqkv(std::move(bqkv)),
+        bo(std::move(bo)), b13(std::move(b13)), b2(std::move(b2)), eps(eps), n_qkv(n_qkv),
+        n_13(n_13), num_heads(num_heads) {
+    const size_t L = this->wqkv.size();
+    for (const size_t n : {this->attn_norms.size(), this->mlp_norms.size(), this->bqkv.size(),
+                           this->wo.size(), this->bo.size(), this->w13.size(), this->b13.size(),
+                           this->w2.size(), this->b2.size()})
+      TORCH_CHECK(n == L, "stack: ", L, " layers, but a list of ", n);
+  }
+};
+
 // The decoder's layers in one call: layer_forward for each layer l in turn, with layer l's norms,
-// matrices and caches (list element l) and the shared rope, slots, key count, mask and head
-// count. Returns the output, then the state at each boundary in `capture` (boundary b: the input
+// matrices (`layers`) and caches (list element l) and the shared rope, slots, key count and
+// mask. Returns the output, then the state at each boundary in `capture` (boundary b: the input
 // of layer b, the output after the last layer at b = L), in capture's order: the same tensors a
 // loop over layer_forward gives, so the same bits; what this saves is one Python call a layer.
-std::vector<at::Tensor> stack_forward(
-    const at::Tensor& x, at::TensorList attn_norms, at::TensorList mlp_norms, double eps,
-    at::TensorList wqkv, const c10::List<std::optional<at::Tensor>>& bqkv, int64_t n_qkv,
-    at::TensorList wo, const c10::List<std::optional<at::Tensor>>& bo, at::TensorList w13,
-    const c10::List<std::optional<at::Tensor>>& b13, int64_t n_13, at::TensorList w2,
-    const c10::List<std::optional<at::Tensor>>& b2, const at::Tensor& cos, const at::Tensor& sin,
-    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots, int64_t num_keys,
-    const std::optional<at::Tensor>& mask, int64_t num_heads, at::IntArrayRef capture) {
-  const int64_t L = static_cast<int64_t>(wqkv.size());
-  for (const size_t n : {attn_norms.size(), mlp_norms.size(), bqkv.size(), wo.size(), bo.size(),
-                         w13.size(), b13.size(), w2.size(), b2.size(), k_caches.size(),
-                         v_caches.size()})
-    TORCH_CHECK(static_cast<int64_t>(n) == L, "stack: ", L, " layers, but a list of ", n);
+std::vector<at::Tensor> stack_forward(const at::Tensor& x, const c10::intrusive_ptr<Stack>& layers,
+                                      const at::Tensor& cos, const at::Tensor& sin,
+                                      at::TensorList k_caches, at::TensorList v_caches,
+                                      const at::Tensor& slots, int64_t num_keys,
+                                      const std::optional<at::Tensor>& mask,
+                                      at::IntArrayRef capture) {
+  const Stack& s = *layers;
+  const int64_t L = static_cast<int64_t>(s.wqkv.size());
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L &&
+                  static_cast<int64_t>(v_caches.size()) == L,
+              "stack: ", L, " layers, but ", k_caches.size(), " and ", v_caches.size(), " caches");
   for (const int64_t b : capture)
     TORCH_CHECK(0 <= b && b <= L, "stack: capture boundary ", b, " outside [0, ", L, "]");
   std::vector<at::Tensor> out(1 + capture.size());
@@ -163,9 +300,10 @@ std::vector<at::Tensor> stack_forward(
   at::Tensor h = x;
   keep(0, h);
   for (int64_t l = 0; l < L; ++l) {
-    h = layer_forward(h, attn_norms[l], mlp_norms[l], eps, wqkv[l], bqkv.get(l), n_qkv, wo[l],
-                      bo.get(l), w13[l], b13.get(l), n_13, w2[l], b2.get(l), cos, sin,
-                      k_caches[l], v_caches[l], slots, num_keys, mask, num_heads);
+    h = layer_forward(h, s.attn_norms[l], s.mlp_norms[l], s.eps, s.wqkv[l], s.bqkv.get(l),
+                      s.n_qkv, s.wo[l], s.bo.get(l), s.w13[l], s.b13.get(l), s.n_13, s.w2[l],
+                      s.b2.get(l), cos, sin, k_caches[l], v_caches[l], slots, num_keys, mask,
+                      s.num_heads);
     keep(l + 1, h);
   }
   out[0] = h;
@@ -251,20 +389,14 @@ std::vector<at::Tensor> head_forward(
 // states in capture's order.
 std::vector<at::Tensor> decoder_forward(
     const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
-    at::TensorList attn_norms, at::TensorList mlp_norms, double eps,
-    at::TensorList wqkv, const c10::List<std::optional<at::Tensor>>& bqkv, int64_t n_qkv,
-    at::TensorList wo, const c10::List<std::optional<at::Tensor>>& bo, at::TensorList w13,
-    const c10::List<std::optional<at::Tensor>>& b13, int64_t n_13, at::TensorList w2,
-    const c10::List<std::optional<at::Tensor>>& b2, at::TensorList k_caches,
-    at::TensorList v_caches, const at::Tensor& slots, int64_t num_keys,
-    const std::optional<at::Tensor>& mask, int64_t num_heads, at::IntArrayRef capture,
-    const at::Tensor& norm, const std::optional<at::Tensor>& logit_index,
+    const c10::intrusive_ptr<Stack>& layers, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& slots, int64_t num_keys, const std::optional<at::Tensor>& mask,
+    at::IntArrayRef capture, const at::Tensor& norm, const std::optional<at::Tensor>& logit_index,
     const at::Tensor& lm_head, int64_t lm_bits, int64_t vocab) {
   const std::vector<at::Tensor> rope = rope_cos_sin(positions, inv_freq, x.scalar_type());
-  std::vector<at::Tensor> out = stack_forward(
-      x, attn_norms, mlp_norms, eps, wqkv, bqkv, n_qkv, wo, bo, w13, b13,
-      n_13, w2, b2, rope[0], rope[1], k_caches, v_caches, slots, num_keys, mask, num_heads, capture);
-  out[0] = logits_of(out[0], logit_index, norm, eps, lm_head, lm_bits, vocab);
+  std::vector<at::Tensor> out = stack_forward(x, layers, rope[0], rope[1], k_caches, v_caches,
+                                              slots, num_keys, mask, capture);
+  out[0] = logits_of(out[0], logit_index, norm, layers->eps, lm_head, lm_bits, vocab);
   return out;
 }
 
@@ -312,6 +444,29 @@ at::Tensor sandwich_forward(const at::Tensor& x, at::TensorList norms, double ep
   return x1 + o.rms_norm.call(d.view({B, T, C}), norms[5], eps);
 }
 
+// An op run in one team of threads (team.h) where its first argument, the layer's input or ids
+// (B, T, ...), has at most team::kTeamRows rows: one parallel region for the whole forward
+// instead of one for each matrix, attention and row op it calls. The same ops on the same rows,
+// so the same bits (use_team(false) runs them without).
+template <auto Fn>
+struct Teamed;
+template <typename R, typename First, typename... Rest, R (*Fn)(First, Rest...)>
+struct Teamed<Fn> {
+  static R call(First first, Rest... rest) {
+    if (first.size(0) * first.size(1) > team::kTeamRows) return Fn(first, rest...);
+    std::optional<R> out;
+    team::run([&] { out.emplace(Fn(first, rest...)); });
+    return std::move(*out);
+  }
+};
+
+// Whether the ops run their forwards of few rows in one team from now on (`enable`, the
+// default); returns the setting. The bits are the same either way: tests and benchmarks switch it.
+bool use_team(bool enable) {
+  team::wanted.store(enable, std::memory_order_relaxed);
+  return enable;
+}
+
 TORCH_LIBRARY(eaglespec_layer, m) {
   m.def(
       "forward(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor wqkv, Tensor? bqkv, "
@@ -323,12 +478,27 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "Tensor? bqkv, int n_qkv, Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, "
       "Tensor w2, Tensor? b2, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slots, int num_keys, Tensor? mask, int num_heads) -> Tensor");
+  using Tensors = std::vector<at::Tensor>;
+  using Optionals = c10::List<std::optional<at::Tensor>>;
+  using State = std::tuple<Tensors, Tensors, double, Tensors, Optionals, int64_t, Tensors,
+                           Optionals, Tensors, Optionals, int64_t, Tensors, Optionals, int64_t>;
+  m.class_<Stack>("Stack")
+      .def(torch::init<Tensors, Tensors, double, Tensors, Optionals, int64_t, Tensors, Optionals,
+                       Tensors, Optionals, int64_t, Tensors, Optionals, int64_t>())
+      .def_pickle(  // what a copy of the model it belongs to (copy.deepcopy) copies
+          [](const c10::intrusive_ptr<Stack>& s) -> State {
+            return {s->attn_norms, s->mlp_norms, s->eps, s->wqkv, s->bqkv, s->n_qkv, s->wo,
+                    s->bo,         s->w13,       s->b13, s->n_13, s->w2,   s->b2,   s->num_heads};
+          },
+          [](State t) {
+            return std::apply(
+                [](auto&&... a) { return c10::make_intrusive<Stack>(std::move(a)...); },
+                std::move(t));
+          });
   m.def(
-      "stack(Tensor x, Tensor[] attn_norms, Tensor[] mlp_norms, float eps, Tensor[] wqkv, "
-      "Tensor?[] bqkv, int n_qkv, Tensor[] wo, Tensor?[] bo, Tensor[] w13, Tensor?[] b13, "
-      "int n_13, Tensor[] w2, Tensor?[] b2, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
-      "Tensor(b!)[] v_caches, Tensor slots, int num_keys, Tensor? mask, int num_heads, "
-      "int[] capture) -> Tensor[]");
+      "stack(Tensor x, __torch__.torch.classes.eaglespec_layer.Stack layers, Tensor cos, "
+      "Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, int num_keys, "
+      "Tensor? mask, int[] capture) -> Tensor[]");
   m.def(
       "sandwich(Tensor x, Tensor[] norms, float eps, Tensor wqkv, int bits_qkv, int n_qkv, "
       "Tensor wo, int bits_o, Tensor w13, int bits_13, int n_13, Tensor w2, int bits_2, "
@@ -342,24 +512,29 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_keys, Tensor? mask, "
       "int num_heads, Tensor? logit_index, Tensor lm_head, int lm_bits, int vocab) -> Tensor[]");
   m.def(
-      "decoder(Tensor x, Tensor positions, Tensor inv_freq, Tensor[] attn_norms, "
-      "Tensor[] mlp_norms, float eps, Tensor[] wqkv, Tensor?[] bqkv, int n_qkv, Tensor[] wo, "
-      "Tensor?[] bo, Tensor[] w13, Tensor?[] b13, int n_13, Tensor[] w2, Tensor?[] b2, "
-      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, int num_keys, Tensor? mask, "
-      "int num_heads, int[] capture, Tensor norm, Tensor? logit_index, Tensor lm_head, "
-      "int lm_bits, int vocab) -> Tensor[]");
+      "decoder(Tensor x, Tensor positions, Tensor inv_freq, "
+      "__torch__.torch.classes.eaglespec_layer.Stack layers, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor slots, int num_keys, Tensor? mask, int[] capture, "
+      "Tensor norm, Tensor? logit_index, Tensor lm_head, int lm_bits, int vocab) -> Tensor[]");
   m.def("supported() -> bool");
+  m.def("use_team(bool enable) -> bool");
+  m.def("use_native(bool enable) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
-  m.impl("forward", &layer_forward);
-  m.impl("forward_from", &layer_from);
-  m.impl("stack", &stack_forward);
-  m.impl("sandwich", &sandwich_forward);
-  m.impl("head", &head_forward);
-  m.impl("decoder", &decoder_forward);
+  m.impl("forward", &Teamed<&layer_forward>::call);
+  m.impl("forward_from", &Teamed<&layer_from>::call);
+  m.impl("stack", &Teamed<&stack_forward>::call);
+  m.impl("sandwich", &Teamed<&sandwich_forward>::call);
+  m.impl("head", &Teamed<&head_forward>::call);
+  m.impl("decoder", &Teamed<&decoder_forward>::call);
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CompositeExplicitAutograd, m) {
   m.impl("supported", []() { return true; });
+  m.impl("use_team", &use_team);
+  m.impl("use_native", [](bool enable) {
+    native_wanted.store(enable, std::memory_order_relaxed);
+    return enable;
+  });
 }

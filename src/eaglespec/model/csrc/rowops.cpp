@@ -27,6 +27,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"  // the kernels called from C++ (layer.cpp)
+#include "team.h"     // parallel_for: through the forward's team where one runs (layer.cpp)
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -204,14 +207,10 @@ ROWOPS_TARGET void rms_norm_row(const T* x, const W* w, T* y, int64_t C, float e
 }
 
 template <typename T, typename W>
-void rms_norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, double eps) {
-  const int64_t M = x.size(0), C = x.size(1);
-  const T* xp = x.data_ptr<T>();
-  const W* wp = w.data_ptr<W>();
-  T* yp = y.data_ptr<T>();
+void rms_norm_rows(const T* xp, const W* wp, T* yp, int64_t M, int64_t C, double eps) {
   const int64_t grain = std::max<int64_t>(1, kTaskValues / C);
   const bool avx2 = avx2_on();
-  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+  team::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       if (avx2)
         rms_norm_row_avx2<T, W>(xp + m * C, wp, yp + m * C, C, static_cast<float>(eps));
@@ -236,13 +235,10 @@ ROWOPS_TARGET void silu_mul_row(const T* g, const T* u, T* y, int64_t I) {
 }
 
 template <typename T>
-void silu_mul_rows(const at::Tensor& x, at::Tensor& y) {
-  const int64_t M = x.size(0), I = y.size(1), stride = x.stride(0);
-  const T* xp = x.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
+void silu_mul_rows(const T* xp, int64_t stride, int64_t M, int64_t I, T* yp) {
   const int64_t grain = std::max<int64_t>(1, kSiluTaskValues / I);
   const bool avx2 = avx2_on();
-  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+  team::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       if (avx2)
         silu_mul_row_avx2<T>(xp + m * stride, xp + m * stride + I, yp + m * I, I);
@@ -292,7 +288,7 @@ void rope_write_all(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   TORCH_CHECK(kh == vh, "rope_write: k and v caches must share their head stride");
   const int64_t grain = std::max<int64_t>(1, kTaskValues / ((H + 2 * Hkv) * D));
   const bool avx2 = avx2_on();
-  at::parallel_for(0, B * T_, grain, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, B * T_, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / T_, s = slot[r];
       (avx2 ? rope_write_token_avx2<T> : rope_write_token<T>)(
@@ -327,6 +323,40 @@ ROWOPS_TARGET int64_t argmax_row(const float* x, int64_t V) {
 
 }  // namespace
 
+template <typename T, typename W>
+void kernels::rms_norm_rows(const T* x, const W* w, T* y, int64_t M, int64_t C, float eps) {
+  ::rms_norm_rows<T, W>(x, w, y, M, C, eps);
+}
+template void kernels::rms_norm_rows<float, float>(const float*, const float*, float*, int64_t,
+                                                   int64_t, float);
+template void kernels::rms_norm_rows<at::BFloat16, float>(const at::BFloat16*, const float*,
+                                                          at::BFloat16*, int64_t, int64_t, float);
+template void kernels::rms_norm_rows<at::BFloat16, at::BFloat16>(const at::BFloat16*,
+                                                                 const at::BFloat16*,
+                                                                 at::BFloat16*, int64_t, int64_t,
+                                                                 float);
+
+template <typename T>
+void kernels::silu_mul_rows(const T* x, int64_t stride, int64_t M, int64_t I, T* y) {
+  ::silu_mul_rows<T>(x, stride, M, I, y);
+}
+template void kernels::silu_mul_rows<float>(const float*, int64_t, int64_t, int64_t, float*);
+template void kernels::silu_mul_rows<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, int64_t,
+                                                   at::BFloat16*);
+
+template <typename T>
+void kernels::rope_write_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                              at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                              at::Tensor& q) {
+  rope_write_all<T>(qkv, cos, sin, k_cache, v_cache, slots, q);
+}
+template void kernels::rope_write_rows<float>(const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, at::Tensor&, at::Tensor&,
+                                              const at::Tensor&, at::Tensor&);
+template void kernels::rope_write_rows<at::BFloat16>(const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, at::Tensor&, at::Tensor&,
+                                                     const at::Tensor&, at::Tensor&);
+
 // x (..., 2I): gate then up -> (..., I) in x's dtype.
 at::Tensor rowops_silu_mul(const at::Tensor& x_in) {
   TORCH_CHECK(cpu_supported(), "eaglespec silu_mul: this CPU lacks AVX2 (and AVX-512)");
@@ -340,10 +370,12 @@ at::Tensor rowops_silu_mul(const at::Tensor& x_in) {
   std::vector<int64_t> sizes = x_in.sizes().vec();
   sizes.back() = W / 2;
   at::Tensor y = at::empty({x.size(0), W / 2}, x_in.options());
+  const int64_t M = x.size(0), I = W / 2, stride = x.stride(0);
   if (dt == at::kFloat)
-    silu_mul_rows<float>(x, y);
+    silu_mul_rows<float>(x.data_ptr<float>(), stride, M, I, y.data_ptr<float>());
   else
-    silu_mul_rows<at::BFloat16>(x, y);
+    silu_mul_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), stride, M, I,
+                                y.data_ptr<at::BFloat16>());
   return y.view(sizes);
 }
 
@@ -361,12 +393,17 @@ at::Tensor rowops_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, doubl
   const at::Tensor x = x_in.contiguous().view({-1, C});
   const at::Tensor w = w_in.contiguous();
   at::Tensor y = at::empty_like(x);
+  const int64_t M = x.size(0);
   if (dt == at::kFloat)
-    rms_norm_rows<float, float>(x, w, y, eps);
+    rms_norm_rows<float, float>(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M,
+                                C, eps);
   else if (w.scalar_type() == at::kFloat)
-    rms_norm_rows<at::BFloat16, float>(x, w, y, eps);
+    rms_norm_rows<at::BFloat16, float>(x.data_ptr<at::BFloat16>(), w.data_ptr<float>(),
+                                       y.data_ptr<at::BFloat16>(), M, C, eps);
   else
-    rms_norm_rows<at::BFloat16, at::BFloat16>(x, w, y, eps);
+    rms_norm_rows<at::BFloat16, at::BFloat16>(x.data_ptr<at::BFloat16>(),
+                                              w.data_ptr<at::BFloat16>(),
+                                              y.data_ptr<at::BFloat16>(), M, C, eps);
   return y.view(x_in.sizes());
 }
 
@@ -421,7 +458,7 @@ at::Tensor rowops_argmax(const at::Tensor& x_in) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const bool avx2 = avx2_on();
-  at::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / V), [&](int64_t m0, int64_t m1) {
+  team::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / V), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       op[m] = avx2 ? argmax_row_avx2(xp + m * V, V) : argmax_row(xp + m * V, V);
   });

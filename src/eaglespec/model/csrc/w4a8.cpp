@@ -60,7 +60,9 @@
 #include <optional>
 #include <vector>
 
+#include "kernels.h"      // w4a8_rows: the kernel called from C++ (layer.cpp)
 #include "simd16_avx2.h"  // AVX2 paths: 16 lanes as two halves, the AVX-512 reductions' order
+#include "team.h"  // parallel_for: through the forward's team where one runs (layer.cpp)
 
 namespace {
 
@@ -748,8 +750,7 @@ W4A8_AMX_TARGET void load_tiles(int R) {
 W4A8_AMX_TARGET void release_tiles() { _tile_release(); }
 
 template <int Bits, typename T>
-void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) {
-  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+void run(const T* xin, int64_t M, int64_t K, const uint8_t* wp, int64_t N, T* yp, const T* res) {
   const int64_t ng = K / kGroup, blocks = (N + kRows - 1) / kRows;
   // Scratch for the quantized rows, reused by the calling thread: xq (M, K) int8, then dx, xsum
   // and qbias (M, ng) 4-byte values each.
@@ -757,26 +758,23 @@ void run(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const T* res) 
   auto* base = reinterpret_cast<int8_t*>(aligned(scratch, M * (K + 3 * ng * 4)));
   auto* dx = reinterpret_cast<float*>(base + M * K);
   const Rows rows{base, dx, dx + M * ng, reinterpret_cast<int32_t*>(dx + 2 * M * ng), K, ng};
-  const T* xin = x.data_ptr<T>();
   // On the calling thread up to kTaskValues values (a step or a verification: a parallel region
   // costs more than the work), split among the threads beyond (prefill).
   const bool avx2 = avx2_on();
-  at::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / K), [&](int64_t m0, int64_t m1) {
+  team::parallel_for(0, M, std::max<int64_t>(1, kTaskValues / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       if (avx2)
         quantize_row_avx2(xin + m * K, rows.at(m));
       else
         quantize_row(xin + m * K, rows.at(m));
   });
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  T* yp = y.data_ptr<T>();
   const int64_t block_bytes = ng * group_bytes(Bits);
   // Rows in chunks whose codes stay in the core's L2 while a thread's blocks pass over them (a
   // long prefill); the weights stream once per chunk. Whole AMX tiles to a chunk.
   const int64_t chunk = std::max<int64_t>(kAmxRows, kChunkBytes / K / kAmxRows * kAmxRows);
   const int64_t grain = std::max<int64_t>(1, kTaskWeights / (kRows * K));  // blocks per task
   const int amx = amx_tile_rows<Bits>(M);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  team::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     if (amx) load_tiles(amx);  // each thread's own tile state
     for (int64_t c = 0; c < M; c += chunk)
       for (int64_t b = b0; b < b1; ++b) {
@@ -798,10 +796,17 @@ bool w4a8_supported() { return cpu_supported() || avx2::supported(); }
 
 void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N, int bits) {
   const char* op = bits == 4 ? "w4a8" : "w8a8";
-  TORCH_CHECK(w4a8_supported(), op, ": this CPU lacks AVX2 (and AVX-512)");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2, op, ": x must be (M, K), got ", x.sizes());
-  const int64_t K = x.size(1);
+  kernels::w4a8_check(w, x.size(1), N, bits);
+}
+
+}  // namespace
+
+void kernels::w4a8_check(const at::Tensor& w, int64_t K, int64_t N, int bits) {
+  const char* op = bits == 4 ? "w4a8" : "w8a8";
+  TORCH_CHECK(w4a8_supported(), op, ": this CPU lacks AVX2 (and AVX-512)");
+  TORCH_CHECK(w.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(K % kGroup == 0, op, ": K must be a multiple of 32, got ", K);
   TORCH_CHECK(N > 0, op, ": N must be positive, got ", N);
   const int64_t want = (N + kRows - 1) / kRows * (K / kGroup) * group_bytes(bits);
@@ -810,6 +815,22 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N, int bits) {
               op, ": packed weight must be contiguous uint8 of ", want, " bytes for N = ", N,
               ", K = ", K, ", got ", w.sizes(), " ", w.scalar_type());
 }
+
+template <typename T>
+void kernels::w4a8_rows(int bits, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                        T* y, const T* residual) {
+  if (bits == 4)
+    run<4, T>(x, M, K, w, N, y, residual);
+  else
+    run<8, T>(x, M, K, w, N, y, residual);
+}
+template void kernels::w4a8_rows<float>(int, const float*, int64_t, int64_t, const uint8_t*,
+                                        int64_t, float*, const float*);
+template void kernels::w4a8_rows<at::BFloat16>(int, const at::BFloat16*, int64_t, int64_t,
+                                               const uint8_t*, int64_t, at::BFloat16*,
+                                               const at::BFloat16*);
+
+namespace {
 
 // (M, K) fp32 or bf16 rows -> (M, N) in x's dtype; plus `residual` (M, N) in x's dtype where
 // given (linear_add).
@@ -829,10 +850,14 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N,
     r = residual->contiguous();
   }
   at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const int64_t M = x.size(0), K = x.size(1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kBFloat16)
-    run<Bits, at::BFloat16>(x, w, y, r.defined() ? r.data_ptr<at::BFloat16>() : nullptr);
+    run<Bits, at::BFloat16>(x.data_ptr<at::BFloat16>(), M, K, wp, N, y.data_ptr<at::BFloat16>(),
+                            r.defined() ? r.data_ptr<at::BFloat16>() : nullptr);
   else
-    run<Bits, float>(x, w, y, r.defined() ? r.data_ptr<float>() : nullptr);
+    run<Bits, float>(x.data_ptr<float>(), M, K, wp, N, y.data_ptr<float>(),
+                     r.defined() ? r.data_ptr<float>() : nullptr);
   return x_in.scalar_type() == x.scalar_type() ? y : y.to(x_in.scalar_type());
 }
 
