@@ -110,8 +110,8 @@ def _wide_run(model: Transformer) -> list[torch.Tensor]:
 def test_the_kernels_called_directly_in_one_team_give_the_ops_bits(
     dtype: torch.dtype, bias: bool
 ) -> None:
-    """The fused forward's kernels called directly (layer.cpp's native_layer, `use_native`; a
-    model with biases goes through the ops either way) and run in one team of threads (team.h,
+    """The fused forward's kernels called directly (layer.cpp's native_layer, `use_native`, with
+    Qwen2's q/k/v bias where `bias`) and run in one team of threads (team.h,
     `use_team`: two threads, each matrix's and attention's chunks taken in pieces, the last
     ones by whichever thread is free) against each kernel called as an op in a parallel region
     of its own: the same logits, states and caches, bit for bit. Wide enough (hidden 512, 30

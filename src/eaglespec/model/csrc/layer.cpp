@@ -8,9 +8,9 @@
 // The same ops as the Python forward (eaglespec's kernels, SwiGLU's included (rowops'
 // silu_mul); ATen for the adds and Gemma's GeGLU; a residual add after a matrix without a bias is
 // the kernel's own, `linear_add`, with ATen's bits), so the same bits: what this saves is Python,
-// about 50 us a layer. A layer without biases calls the kernels directly (native_layer, through
-// kernels.h: the same functions, without an op, output tensor and view each); others call them
-// through the dispatcher. Every op runs a forward of few rows in one team of threads (team.h,
+// about 50 us a layer. A layer without biases, or with Qwen2's q/k/v bias alone, calls the
+// kernels directly (native_layer, through kernels.h: the same functions, without an op, output
+// tensor and view each); others call them through the dispatcher. Every op runs a forward of few rows in one team of threads (team.h,
 // Teamed below).
 
 #include <ATen/ATen.h>
@@ -97,14 +97,25 @@ at::Tensor project_add(const at::Tensor& x2, const at::Tensor& w,
 // (`use_native`, the default); the ops' way otherwise. The same bits either way.
 std::atomic<bool> native_wanted{true};
 
+// y (M, N) += b (N) as ATen adds two tensors of T: in fp32, rounded once to T.
+template <typename T>
+void add_bias(T* y, const T* b, int64_t M, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      y[m * N + n] = static_cast<T>(static_cast<float>(y[m * N + n]) + static_cast<float>(b[n]));
+}
+
 // The row type's layer from its attention input on, as layer_from below, its kernels called
 // directly (kernels.h): the same functions on the same rows as through the ops, so the same bits,
 // without an op call, output tensor, view and check for each (about 1.5 ms of a 7.5 ms SmolLM2
-// decode step on a 2-core VM, session 57). For layers without biases, with contiguous rows and
-// the model's dtype throughout; layer_from checks that and otherwise goes through the ops.
+// decode step on a 2-core VM, session 57). For layers without biases but q/k/v's (added as ATen
+// adds it), with contiguous rows and the model's dtype throughout; layer_from checks that and
+// otherwise goes through the ops.
+
 template <typename T>
 at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
-                        double eps, const at::Tensor& wqkv, int64_t n_qkv, const at::Tensor& wo,
+                        double eps, const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv,
+                        int64_t n_qkv, const at::Tensor& wo,
                         const at::Tensor& w13, int64_t n_13, const at::Tensor& w2,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
@@ -120,6 +131,7 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
   at::Tensor qkv = at::empty({B, T_, H + 2 * Hkv, D}, opts);
   kernels::w4a8_rows<T>(4, h.data_ptr<T>(), R, Cin, wqkv.data_ptr<uint8_t>(), n_qkv,
                         qkv.data_ptr<T>(), nullptr);
+  if (bqkv.has_value()) add_bias<T>(qkv.data_ptr<T>(), bqkv->data_ptr<T>(), R, n_qkv);
   at::Tensor q = at::empty({B, T_, H, D}, opts);
   kernels::rope_write_rows<T>(qkv, cos, sin, k_cache, v_cache, slots, q);
   at::Tensor a = at::empty({B, T_, H, D}, opts);
@@ -146,8 +158,9 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
   return out;
 }
 
-// Whether native_layer takes this layer: no biases; residual, h, the norm's weight, rope and the
-// caches in one dtype (fp32 or bf16; the norm's weight may be fp32), residual and h contiguous;
+// Whether native_layer takes this layer: no biases but q/k/v's (Qwen2's); residual, h, the norm's
+// weight, the bias, rope and the caches in one dtype (fp32 or bf16; the norm's weight may be
+// fp32), residual, h and the bias contiguous;
 // the arguments rope_write and attention check (shapes, slots, mask) as they check them.
 bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
                  const std::optional<at::Tensor>& bqkv, const std::optional<at::Tensor>& bo,
@@ -156,9 +169,12 @@ bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tens
                  const at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
                  const std::optional<at::Tensor>& mask, int64_t num_heads, int64_t n_13) {
   if (!native_wanted.load(std::memory_order_relaxed)) return false;
-  if (bqkv.has_value() || bo.has_value() || b13.has_value() || b2.has_value()) return false;
+  if (bo.has_value() || b13.has_value() || b2.has_value()) return false;
   const auto dt = residual.scalar_type();
   if (dt != at::kFloat && dt != at::kBFloat16) return false;
+  if (bqkv.has_value() && (bqkv->scalar_type() != dt || !bqkv->is_contiguous() ||
+                           bqkv->dim() != 1 || !bqkv->device().is_cpu()))
+    return false;
   for (const at::Tensor* t : {&h, &cos, &sin, &k_cache, &v_cache})
     if (t->scalar_type() != dt || !t->device().is_cpu()) return false;
   if (mlp_norm.scalar_type() != dt && mlp_norm.scalar_type() != at::kFloat) return false;
@@ -171,6 +187,7 @@ bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tens
   const int64_t D = k_cache.size(3), S = k_cache.size(2);
   if (n_13 % 2 != 0 || D % 32 != 0 || mlp_norm.numel() != C || num_heads % k_cache.size(1) != 0)
     return false;
+  if (bqkv.has_value() && bqkv->numel() != (num_heads + 2 * k_cache.size(1)) * D) return false;
   if (k_cache.sizes() != v_cache.sizes() || k_cache.size(0) != B) return false;
   if (cos.numel() != B * T_ * D || sin.numel() != B * T_ * D || slots.numel() != B * T_)
     return false;
@@ -209,11 +226,11 @@ at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at:
   if (native_fits(residual, h, mlp_norm, bqkv, bo, b13, b2, cos, sin, k_cache, v_cache, slots,
                   num_keys, mask, num_heads, n_13)) {
     if (residual.scalar_type() == at::kBFloat16)
-      return native_layer<at::BFloat16>(residual, h, mlp_norm, eps, wqkv, n_qkv, wo, w13, n_13,
-                                        w2, cos, sin, k_cache, v_cache, slots, num_keys, mask,
-                                        num_heads);
-    return native_layer<float>(residual, h, mlp_norm, eps, wqkv, n_qkv, wo, w13, n_13, w2, cos,
-                               sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
+      return native_layer<at::BFloat16>(residual, h, mlp_norm, eps, wqkv, bqkv, n_qkv, wo, w13,
+                                        n_13, w2, cos, sin, k_cache, v_cache, slots, num_keys,
+                                        mask, num_heads);
+    return native_layer<float>(residual, h, mlp_norm, eps, wqkv, bqkv, n_qkv, wo, w13, n_13, w2,
+                               cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
   }
   const at::Tensor x2 = residual.reshape({B * T, C});
   const at::Tensor qkv = project(h.reshape({B * T, h.size(2)}), wqkv, bqkv, n_qkv)
