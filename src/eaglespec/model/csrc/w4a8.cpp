@@ -393,6 +393,7 @@ EAGLESPEC_AVX2_TARGET inline __m256i half_dot(const __m256i (&w)[8], const int32
     for (int t = 2; t < 8; t += 2) {
       a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(x[t])));
       b = _mm256_add_epi16(b, _mm256_maddubs_epi16(w[t + 1], _mm256_set1_epi32(x[t + 1])));
+      asm("" : "+x"(a), "+x"(b));  // two chains, as in the together tiles (8 rows: 0.93x)
     }
     return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
   } else {
@@ -484,6 +485,12 @@ EAGLESPEC_AVX2_TARGET void block_tile4_together_avx2(const uint8_t* blk, const R
         const __m256i b1 = _mm256_set1_epi32(xp[2 * L + 1]);
         s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(wh0, b1));
         s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(wh1, b1));
+        // The sums kept as two chains a row: GCC otherwise reassociates them into a tree of
+        // products held in registers and, from two rows, spilled (an empty asm pins them;
+        // measured, session 57, benchmarks/kernel_ab.py: the decoder pass 0.98x the time at one
+        // row, 0.93x at two, 0.88x at three; the same in the 8-bit tiles, the head 0.95x at three
+        // rows, 0.89x at four and eight). Integer sums, so the same bits in any order.
+        asm("" : "+x"(s16[m][0]), "+x"(s16[m][1]));
       }
     }
     const uint8_t* sp = gp + code_bytes(4);
@@ -531,6 +538,7 @@ EAGLESPEC_AVX2_TARGET void block_tile8_together_avx2(const uint8_t* blk, const R
         const __m256i p0 = signed_pairs(w0, xt, ax), p1 = signed_pairs(w1, xt, ax);
         s32[m][0] = t == 0 ? p0 : _mm256_add_epi32(s32[m][0], p0);
         s32[m][1] = t == 0 ? p1 : _mm256_add_epi32(s32[m][1], p1);
+        asm("" : "+x"(s32[m][0]), "+x"(s32[m][1]));  // two chains a row, as in the 4-bit tiles
       }
     }
     const uint8_t* sp = gp + code_bytes(8);
