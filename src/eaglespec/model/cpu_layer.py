@@ -31,6 +31,15 @@ the RoPE tables, the final norm and a w4a8 output matrix (4- or 8-bit) to the fp
 SmolLM2 (bf16 w4a8, 128-token prefix, interleaved in one process, medians): a target forward of
 one token 5.21 -> 5.06 ms, of two 5.90 -> 5.47 ms, plain decoding 177 -> 187 tok/s; the head's
 one-token step 0.72 -> 0.55 ms, a two-token catch-up with fc 0.95 -> 0.70 ms.
+
+Then the glue inside the op (session 57, an AVX2 VM): a one-row SmolLM2 step spent about 1.5 ms of
+7.6 in the dispatcher, output tensors, views and checks around its 150 kernel calls, each also a
+fork and join of the second thread. A layer without biases (or with Qwen2's q/k/v bias alone) now
+calls the kernels directly into its own buffers (csrc/kernels.h), a forward of at most 64 rows runs
+in one team of threads (csrc/team.h), and the stack's weights are one `Stack` object the op holds
+(StackArgs.layers) rather than lists passed each call: the forward 0.87-0.97x the time at T = 1-8,
+plain decoding 0.93x, the default speculation 0.96x (BENCHMARKS.md, session 57). The same bits:
+`torch.ops.eaglespec_layer.use_team` / `use_native` switch them off for the tests that say so.
 """
 
 from __future__ import annotations
