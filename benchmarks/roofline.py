@@ -19,7 +19,7 @@ Medians over --repeats after one warm-up round, all cases timed round-robin. Whe
 AMX, `--amx both` times every case with the kernels' AMX tiles on and off (the same bits), and
 `--amx-min-rows 1` sends every row count through them (the kernel's default starts at a
 measured crossover). Where the kernels run their AVX2 path, `--avx2-together both` times every case
-with tiles (4-bit: of 1-3 rows, 8-bit: all) taking a weight block's two halves together (the
+with every tile taking a weight block's two halves together (the
 default) and apart (csrc/w4a8.cpp's block_tile_avx2; the same bits).
 """
 

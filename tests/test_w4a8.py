@@ -275,7 +275,7 @@ def test_the_avx2_path_gives_the_avx512_bits(dtype: torch.dtype, k: int) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [576, 8960])
 def test_the_avx2_orders_of_a_blocks_halves_give_the_same_bits(dtype: torch.dtype, k: int) -> None:
-    """On the AVX2 path (forced where AVX-512 VNNI runs) tiles (4-bit: of 1-3 rows, 8-bit: all)
+    """On the AVX2 path (forced where AVX-512 VNNI runs) tiles
     take a weight block's two halves together, group by group, or each over all groups in turn:
     every output (4-bit, 8-bit, with the residual add) is bitwise the same either way, at every
     row count, N a multiple of 16 or not (a block's two halves, or one)."""

@@ -563,11 +563,12 @@ std::atomic<bool> avx2_together_wanted{true};
 // either go together, group by group (block_tile4_together_avx2, block_tile8_together_avx2), so
 // each group's record is read once, the two halves' accumulator chains overlap and each
 // activation dword is broadcast once for both halves; or apart, the first half over all groups,
-// then the second (the second pass reads the block from L1). Together is the default where it
-// measured faster: 4-bit tiles of 1-3 rows (a full tile of 4 goes apart) and every 8-bit tile.
-// Measured on a Zen 3 with 2 threads (benchmarks/roofline.py --avx2-together both, session 56),
-// together against apart: SmolLM2's decoder matrices 0.94-0.98x the time at one row, 0.88-0.94x
-// at two, 0.80-1.00x at three (a 4-bit tile of 4 together 1.01x, 3 + 1 1.07x); its output head
+// then the second (the second pass reads the block from L1). Together is the default: it
+// measured faster for every tile. Measured on a Zen 3 with 2 threads (benchmarks/roofline.py
+// --avx2-together both, session 56), together against apart: SmolLM2's decoder matrices
+// 0.94-0.98x the time at one row, 0.88-0.94x at two, 0.80-1.00x at three (a 4-bit tile of 4
+// together 1.01x then, before its sums were kept as chains; since, benchmarks/kernel_ab.py
+// session 57: the decoder pass 0.83-0.91x at 4, 8, 16 and 32 rows, 0.97x at 12); its output head
 // 0.95-1.01x at one row, 0.77-0.98x at two, 0.79-0.82x at three, 0.91-0.97x at four, 0.85-1.04x
 // at 8-16 (the same code measured 0.91-1.05x across such runs: the VM's drift). Either way every
 // lane gets the same operations in the same order, so the same bits (avx2_together(false) takes
@@ -576,11 +577,9 @@ template <int Bits, int MB, typename T>
 EAGLESPEC_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T* y, const T* r,
                                            int64_t ldy, int64_t valid) {
   const bool together = avx2_together_wanted.load(std::memory_order_relaxed);
-  if constexpr (Bits == 4 && MB <= 3) {
-    if (together) return block_tile4_together_avx2<MB>(blk, x, y, r, ldy, valid);
-  }
-  if constexpr (Bits == 8) {
-    if (together) return block_tile8_together_avx2<MB>(blk, x, y, r, ldy, valid);
+  if (together) {
+    if constexpr (Bits == 4) return block_tile4_together_avx2<MB>(blk, x, y, r, ldy, valid);
+    return block_tile8_together_avx2<MB>(blk, x, y, r, ldy, valid);
   }
   const int halves = valid > 8 ? 2 : 1;
   for (int half = 0; half < halves; ++half) {
@@ -894,10 +893,9 @@ bool w4a8_use_avx2(bool force) {
   return avx2_on();
 }
 
-// Whether the AVX2 path's tiles take a block's two halves together from now on where that
-// measured faster (`enable`, the default: 4-bit tiles of 1-3 rows, every 8-bit tile) or each
-// over all groups in turn; returns the setting. The bits are the same either way: benchmarks and
-// tests switch it.
+// Whether the AVX2 path's tiles take a block's two halves together from now on (`enable`, the
+// default, measured faster for every tile) or each over all groups in turn; returns the setting.
+// The bits are the same either way: benchmarks and tests switch it.
 bool w4a8_avx2_together(bool enable) {
   avx2_together_wanted.store(enable, std::memory_order_relaxed);
   return enable;
