@@ -10,8 +10,8 @@
 // the kernel's own, `linear_add`, with ATen's bits), so the same bits: what this saves is Python,
 // about 50 us a layer. A layer without biases, or with Qwen2's q/k/v bias alone, calls the
 // kernels directly (native_layer, through kernels.h: the same functions, without an op, output
-// tensor and view each); others call them through the dispatcher. Every op runs a forward of few rows in one team of threads (team.h,
-// Teamed below).
+// tensor and view each); others call them through the dispatcher. Every op runs a forward of few
+// rows in one team of threads (team.h, Teamed below).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -111,12 +111,11 @@ void add_bias(T* y, const T* b, int64_t M, int64_t N) {
 // decode step on a 2-core VM, session 57). For layers without biases but q/k/v's (added as ATen
 // adds it), with contiguous rows and the model's dtype throughout; layer_from checks that and
 // otherwise goes through the ops.
-
 template <typename T>
 at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
                         double eps, const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv,
-                        int64_t n_qkv, const at::Tensor& wo,
-                        const at::Tensor& w13, int64_t n_13, const at::Tensor& w2,
+                        int64_t n_qkv, const at::Tensor& wo, const at::Tensor& w13,
+                        int64_t n_13, const at::Tensor& w2,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
                         const std::optional<at::Tensor>& mask, int64_t num_heads) {
@@ -160,8 +159,8 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
 
 // Whether native_layer takes this layer: no biases but q/k/v's (Qwen2's); residual, h, the norm's
 // weight, the bias, rope and the caches in one dtype (fp32 or bf16; the norm's weight may be
-// fp32), residual, h and the bias contiguous;
-// the arguments rope_write and attention check (shapes, slots, mask) as they check them.
+// fp32), residual, h and the bias contiguous; the arguments rope_write and attention check
+// (shapes, slots, mask) as they check them, so that a bad one reaches the op that says what.
 bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
                  const std::optional<at::Tensor>& bqkv, const std::optional<at::Tensor>& bo,
                  const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
