@@ -2,16 +2,17 @@
 // head ops), instead of one OpenMP parallel region for every matrix, attention and row op.
 //
 // A decode step of SmolLM2 runs about 150 parallel regions (four matrices and attention in each
-// of 30 layers), each forked and joined: on a 2-core VM that costs about 3 us a matrix beyond
-// its work (measured, session 57: a chain of the decoder's 120 matrices at one row 0.88x the
-// time in one region with barriers than in a region each), the worker waiting while the
-// calling thread runs the serial ops between. `run(body)` starts the team once: the calling
-// thread (thread 0) runs `body`, the forward, and the other threads spin until it hands them
-// work. A kernel splits its work with `parallel_for` below, which inside a team hands each
-// thread its chunk (a store and a spin, not a fork and a join) and outside one is
-// at::parallel_for. The chunks are at::parallel_for's (the same split of the same range), and
-// every row and output is computed the same whichever thread takes it, so the bits are the
-// same either way (tests/test_cpu_layer.py compares the two).
+// of 30 layers), each forked and joined (0.8 us for an empty one on a 2-core Zen 3 VM, against
+// 0.1 us to hand out work here, measured in session 57), the worker waiting while the calling
+// thread runs the serial ops between. `run(body)` starts the team once: the calling thread
+// (thread 0) runs `body`, the forward, and the other threads spin until it hands them work. A
+// kernel splits its work with `parallel_for` below, which inside a team hands each thread its
+// chunk (a store and a spin, not a fork and a join) and outside one is at::parallel_for. The
+// chunks start as at::parallel_for's, taken in pieces (Job), and every row and output is
+// computed the same whichever thread takes it, so the bits are the same either way
+// (tests/test_cpu_layer.py compares the two). Alone the team measured 0.98-1.02x the forward's
+// time; with the layer's kernels called directly (layer.cpp's native_layer), which leaves less
+// serial work between the kernels, 0.87-0.97x (BENCHMARKS.md, session 57).
 //
 // Within a team, ATen's own ops called by thread 0 see an OpenMP region and run on that thread
 // alone: the fused layer keeps to kernels that split through here, and the layer ops start a
@@ -101,8 +102,9 @@ inline thread_local State* led = nullptr;
 // Whether teams are used (the layer ops' `use_team`; tests and benchmarks switch it).
 inline std::atomic<bool> wanted{true};
 
-// One round of a wait: a pause, and after a while (about 50 us) a yield of the core as well, so
-// that a thread waiting on a descheduled one (more threads than free cores) does not hold the
+// One round of a wait: a pause, and after 16,384 of them (0.4 ms on a Zen 3, whose pause takes
+// 24 ns, measured; longer than any gap between a forward's kernels) a yield of the core as well,
+// so that a thread waiting on a descheduled one (more threads than free cores) does not hold the
 // core the other needs.
 inline void relax(uint32_t& rounds) {
   _mm_pause();
