@@ -106,12 +106,15 @@ def wait_for_lock(lock: Path, stale_after: float, poll: float = 1.0) -> None:
 
 
 @functools.cache
-def _build_kernels() -> str | None:
-    """Compile and load KERNELS' library once per process; None if it loaded, else why not."""
+def _library(names: tuple[str, ...]) -> str | None:
+    """Compile and load csrc/{name}.cpp for each of `names` as one library, once per process;
+    None if it loaded, else why not (no compiler, no ninja, a failed build)."""
+    module = "eaglespec_cpu" if names == KERNELS else f"eaglespec_{names[0]}"
     try:
-        compile_and_load([CSRC / f"{k}.cpp" for k in KERNELS], "eaglespec_cpu")
-    except Exception as e:  # no compiler, no ninja, a failed build: say which
-        return f"the CPU kernels did not build ({type(e).__name__}: {str(e)[:300]})"
+        compile_and_load([CSRC / f"{n}.cpp" for n in names], module)
+    except Exception as e:  # say which
+        what = " and ".join(names)
+        return f"the {what} kernels did not build ({type(e).__name__}: {str(e)[:300]})"
     return None
 
 
@@ -121,15 +124,9 @@ def build(name: str, needs: str) -> str | None:
     here, else why not (a failed build, or a CPU without `needs`, say "a CPU with AVX-512")."""
     import torch
 
-    if name in KERNELS:
-        reason = _build_kernels()
-        if reason is not None:
-            return reason
-    else:
-        try:
-            compile_and_load(CSRC / f"{name}.cpp", f"eaglespec_{name}")
-        except Exception as e:  # no compiler, no ninja, a failed build: say which
-            return f"the {name} kernel did not build ({type(e).__name__}: {str(e)[:300]})"
+    reason = _library(KERNELS if name in KERNELS else (name,))
+    if reason is not None:
+        return reason
     if not getattr(torch.ops, f"eaglespec_{name}").supported():
         return f"the {name} kernel needs {needs}"
     return None
