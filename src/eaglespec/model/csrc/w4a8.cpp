@@ -57,6 +57,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -457,14 +458,24 @@ EAGLESPEC_AVX2_TARGET inline void store_tile_avx2(const float (&acc)[MB][2][8], 
   }
 }
 
+// The together tiles below are functions of their own (noinline), which return the float
+// accumulators and leave the stores to their caller: inlined into block_tile_avx2 with the order
+// by halves and the stores, GCC spilled a tile's int16 sums to the stack before the epilogue and
+// read them straight back (a store-forwarding wait in every group's chain; at one row too, where
+// registers are plenty). Compiled alone they stay in registers (measured, session 58, both
+// kernels in one process: the decoder pass 0.98x the time at one row, 0.95x at two, 0.93x at
+// three, 0.88-0.90x at 4, 8 and 16; one thread on a 3072 x 576 matrix in L3, 0.85-0.89x at every
+// row count).
+
 // 4-bit weights: one block against a tile of MB activation rows with its two halves together and
 // each activation dword broadcast once for both: per group and load L, the two halves' 32 code
 // bytes unpacked to their low- and high-nibble steps (4 registers), then every row's two int16
-// sums; the float accumulators live in L1 (another 2 MB registers would not fit the 16). Each
-// lane gets `accumulate`'s operations in its order, so the bits of the order by halves.
-template <int MB, typename T>
-EAGLESPEC_AVX2_TARGET void block_tile4_together_avx2(const uint8_t* blk, const Rows& x, T* y,
-                                                     const T* r, int64_t ldy, int64_t valid) {
+// sums; the float accumulators live in L1 (another 2 MB registers would not fit the 16) and end
+// in acc_out (row m's outputs 8 half .. 8 half + 7 at acc_out[m][half]). Each lane gets
+// `accumulate`'s operations in its order, so the bits of the order by halves.
+template <int MB>
+EAGLESPEC_AVX2_TARGET __attribute__((noinline)) void tile4_together_avx2(
+    const uint8_t* blk, const Rows& x, float (&acc_out)[MB][2][8]) {
   alignas(32) float acc[MB][2][8] = {};
   for (int64_t g = 0; g < x.ng; ++g) {
     const uint8_t* gp = blk + g * group_bytes(4);
@@ -512,17 +523,17 @@ EAGLESPEC_AVX2_TARGET void block_tile4_together_avx2(const uint8_t* blk, const R
       _mm256_store_ps(acc[m][1], _mm256_fmadd_ps(N1, xs, a1));
     }
   }
-  store_tile_avx2<MB>(acc, y, r, ldy, valid);
+  std::memcpy(acc_out, acc, sizeof(acc));
 }
 
 // 8-bit weights: one block against a tile of MB activation rows with its two halves together and
 // each activation dword broadcast (and its absolute value taken) once for both: per group and
 // step t, the two halves' 32 signed code bytes, then every row's two int32 sums (signed_step's
-// products); the float accumulators live in L1. Each lane gets `accumulate`'s operations in its
-// order, so the bits of the order by halves.
-template <int MB, typename T>
-EAGLESPEC_AVX2_TARGET void block_tile8_together_avx2(const uint8_t* blk, const Rows& x, T* y,
-                                                     const T* r, int64_t ldy, int64_t valid) {
+// products); the float accumulators live in L1 and end in acc_out, as tile4_together_avx2's.
+// Each lane gets `accumulate`'s operations in its order, so the bits of the order by halves.
+template <int MB>
+EAGLESPEC_AVX2_TARGET __attribute__((noinline)) void tile8_together_avx2(
+    const uint8_t* blk, const Rows& x, float (&acc_out)[MB][2][8]) {
   alignas(32) float acc[MB][2][8] = {};
   for (int64_t g = 0; g < x.ng; ++g) {
     const uint8_t* gp = blk + g * group_bytes(8);
@@ -553,14 +564,14 @@ EAGLESPEC_AVX2_TARGET void block_tile8_together_avx2(const uint8_t* blk, const R
                                                  _mm256_mul_ps(S1, dx), _mm256_load_ps(acc[m][1])));
     }
   }
-  store_tile_avx2<MB>(acc, y, r, ldy, valid);
+  std::memcpy(acc_out, acc, sizeof(acc));
 }
 
 // Whether tiles take a block's two halves together where that measured faster (`avx2_together`).
 std::atomic<bool> avx2_together_wanted{true};
 
 // One weight block against a tile of MB activation rows, as block_tile. A block's two halves
-// either go together, group by group (block_tile4_together_avx2, block_tile8_together_avx2), so
+// either go together, group by group (tile4_together_avx2, tile8_together_avx2), so
 // each group's record is read once, the two halves' accumulator chains overlap and each
 // activation dword is broadcast once for both halves; or apart, the first half over all groups,
 // then the second (the second pass reads the block from L1). Together is the default: it
@@ -578,8 +589,12 @@ EAGLESPEC_AVX2_TARGET void block_tile_avx2(const uint8_t* blk, const Rows& x, T*
                                            int64_t ldy, int64_t valid) {
   const bool together = avx2_together_wanted.load(std::memory_order_relaxed);
   if (together) {
-    if constexpr (Bits == 4) return block_tile4_together_avx2<MB>(blk, x, y, r, ldy, valid);
-    return block_tile8_together_avx2<MB>(blk, x, y, r, ldy, valid);
+    alignas(32) float acc[MB][2][8];
+    if constexpr (Bits == 4)
+      tile4_together_avx2<MB>(blk, x, acc);
+    else
+      tile8_together_avx2<MB>(blk, x, acc);
+    return store_tile_avx2<MB>(acc, y, r, ldy, valid);
   }
   const int halves = valid > 8 ? 2 : 1;
   for (int half = 0; half < halves; ++half) {
