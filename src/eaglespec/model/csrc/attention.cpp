@@ -462,19 +462,31 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     return {qp + b * qs.b + h * qs.h + t * qs.r, op + ((b * T_ + t) * H + h) * 16 * C, row_mask,
             row_mask == nullptr ? K : prefix_keys(row_mask, mj, K)};
   };
-  if (avx2_on()) {  // the rows split among the threads as below; unmasked rows of a KV head
-                    // up to kShareRows at a time share the keys' widening (rows_avx2), a tree's
-                    // rows alone (row_avx2)
-    team::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  if (avx2_on()) {  // unmasked rows of a KV head up to kShareRows at a time share the keys'
+                    // widening (rows_avx2), a tree's rows alone (row_avx2)
+    // The threads take whole groups of a KV head's rows: its rows in the fewest groups of at
+    // most kShareRows, of near-equal size (at least kShareFrom each where the head has that
+    // many), so a group shares its widening whichever thread takes it. A split by rows had the
+    // forward's team (team.h) take them in pieces of an eighth of a thread's share, which cut a
+    // 6-token verification's groups of SmolLM2 to 3 rows, each then run alone (measured, session
+    // 58, 768 keys: row_avx2 24% of the forward's time, rows_avx2 3%). A head of fewer rows
+    // than kShareFrom (a one-token step's 3 query heads), whose rows run alone, is split by rows.
+    const int64_t groups =
+        per_head < kShareFrom ? per_head : (per_head + kShareRows - 1) / kShareRows;
+    const int64_t units = B * Hkv * groups;
+    const int64_t unit_grain =
+        std::max<int64_t>(1, kTaskKeys / std::max<int64_t>(K * (per_head / groups), 1));
+    team::parallel_for(0, units, unit_grain, [&](int64_t u0, int64_t u1) {
       std::vector<float> scores(kShareRows * (K + 16)), packed(K + 16);
       std::vector<float> kb(16 * 16 * C), acc(kShareRows * 16 * C);
       const T* qrow[kShareRows];
       T* orow[kShareRows];
       float* prow[kShareRows];
       int64_t n[kShareRows];
-      for (int64_t s0 = r0; s0 < r1;) {
-        const int64_t head = s0 / per_head, b = head / Hkv, g = head % Hkv;
-        const int64_t s1 = std::min({r1, (head + 1) * per_head, s0 + kShareRows});
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t head = u / groups, i = u % groups, b = head / Hkv, g = head % Hkv;
+        const int64_t s0 = head * per_head + i * per_head / groups;
+        const int64_t s1 = head * per_head + (i + 1) * per_head / groups;
         const T* kg = kp + b * ks.b + g * ks.h;
         const T* vg = vp + b * vs.b + g * vs.h;
         int R = 0;
@@ -493,10 +505,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           rows_avx2<T, C>(qrow, kg, ks.r, vg, vs.r, n, R, sc, prow, packed.data(), kb.data(),
                           acc.data(), orow);
         else  // too few to pay for the widening's stores (a one-token step's 3 query heads)
-          for (int i = 0; i < R; ++i)
-            row_avx2<T, C>(qrow[i], kg, ks.r, vg, vs.r, nullptr, 0, n[i], sc, scores.data(),
-                           packed.data(), orow[i]);
-        s0 = s1;
+          for (int j = 0; j < R; ++j)
+            row_avx2<T, C>(qrow[j], kg, ks.r, vg, vs.r, nullptr, 0, n[j], sc, scores.data(),
+                           packed.data(), orow[j]);
       }
     });
     return;
