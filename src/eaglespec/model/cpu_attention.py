@@ -17,7 +17,10 @@ accumulators: the same bits as key by key). Up to 8 unmasked rows of one KV head
 heads, a verification's tokens, a prefill's) are scored together: each block of 16 keys is
 widened from bf16 to fp32 once for all of them (exact, so each row's products are its own), and
 their value sums share the loads of v. The threads split the rows to a row, not to a KV head
-(SmolLM2's one-token step: 5 rows against 4, where it was 6 against 3).
+(SmolLM2's one-token step: 5 rows against 4, where it was 6 against 3); on AVX2 a KV head of 4 or
+more rows is split into groups of at most 8 of near-equal size, and the threads take whole groups
+(a forward's team, csrc/team.h, takes a split in pieces, which had cut a verification's groups to
+rows scored alone: session 58).
 
 Row independence: each query row (b, h, t) is computed alone through the same instructions
 whatever T, B and the thread split are, so a verification over T tokens gives each row the
