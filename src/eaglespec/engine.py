@@ -313,11 +313,15 @@ class BatchRunner:
 
 class Prefill:
     """The target prefill of a group of new rows, `chunk` prompt positions per `step` (None:
-    the whole prompts in one step). Each chunk is one right-padded forward onto the cache built
-    so far (a row whose prompt ended keeps its length; its padded slots are overwritten later).
+    the whole prompts in one step). Prompts of one length go together: each chunk is one forward
+    over all rows onto the cache built so far. Prompts of different lengths go one row at a
+    time, each row's chunks onto its own row of the cache (a one-row view), so no padding is
+    computed (right-padded together, 12 prompts of 29-769 tokens ran 9,228 rows for 2,258
+    prompt tokens; session 58): every row is computed the same alone or batched, so the cache,
+    the logits and the states are the ones a padded forward gives at the real positions.
     Each row's last-position logits are kept from the chunk that holds its last prompt token,
-    and the captured states are gathered over chunks, so `finish` samples the first tokens and
-    starts the proposer exactly as a one-forward prefill does."""
+    and the captured states are gathered over chunks (zeros past a row's prompt), so `finish`
+    samples the first tokens and starts the proposer exactly as a one-forward prefill does."""
 
     def __init__(
         self,
@@ -337,12 +341,19 @@ class Prefill:
         self.ids, self.lengths = pad_right(prompts, target.device)  # (B, T)
         self.chunk = chunk or self.ids.shape[1]
         self.cache = target.new_cache(len(prompts), capacity)
-        self.done = 0  # prompt positions prefilled so far (all rows alike)
+        self.done = 0  # prompt positions prefilled so far (all rows alike, or the row's)
         self.last: torch.Tensor | None = None  # (B, V) each row's last-position logits
         self.hidden: list[list[torch.Tensor]] = []  # per chunk: captured states (B, t, C)
+        # Row by row where the lengths differ: the row at hand, its logits and states so far
+        self.by_row = min(self.lengths) != max(self.lengths)
+        self.row = 0
+        self.row_last: list[torch.Tensor] = []  # (V,) per finished row
+        self.row_hidden: list[list[list[torch.Tensor]]] = [[] for _ in self.lengths]
 
     def step(self) -> bool:
         """Prefill the next chunk; True once every prompt is in the cache."""
+        if self.by_row:
+            return self._row_step()
         B, T = self.ids.shape
         c0, c1 = self.done, min(self.done + self.chunk, T)
         ids = self.ids[:, c0:c1]  # (B, t)
@@ -365,6 +376,42 @@ class Prefill:
         self.hidden.append(list(out.hidden))
         self.done = c1
         return c1 >= T
+
+    def _row_step(self) -> bool:
+        """The next chunk of the row at hand, onto its own row of the cache; True once every
+        prompt is in the cache."""
+        b, n = self.row, self.lengths[self.row]
+        c0, c1 = self.done, min(self.done + self.chunk, n)
+        device = self.ids.device
+        rows = self.cache
+        cache = KVCache(k=rows.k[:, b : b + 1], v=rows.v[:, b : b + 1], lengths=[c0])  # a view
+        out: ForwardOutput = self.target(
+            self.ids[b : b + 1, c0:c1],
+            torch.arange(c0, c1, device=device)[None],
+            cache,
+            capture=self.proposer.capture,
+            logit_index=torch.tensor([[c1 - c0 - 1]], device=device),
+        )
+        rows.lengths = [c1 if r == b else m for r, m in enumerate(rows.lengths)]
+        self.row_hidden[b].append(list(out.hidden))
+        self.done = c1
+        if c1 < n:
+            return False
+        self.row_last.append(out.logits[0, 0])
+        self.row, self.done = self.row + 1, 0
+        if self.row < len(self.lengths):
+            return False
+        self.last = torch.stack(self.row_last)  # (B, V)
+        T = self.ids.shape[1]
+        for b, (n, chunks) in enumerate(zip(self.lengths, self.row_hidden, strict=True)):
+            states = [torch.cat(parts, dim=1) for parts in zip(*chunks, strict=True)]  # (1, n, C)
+            self.row_hidden[b] = [[torch.nn.functional.pad(h, (0, 0, 0, T - n)) for h in states]]
+        # one "chunk" of (B, T, C) states, as the batched forwards leave them
+        self.hidden = [
+            [torch.cat(h, dim=0) for h in zip(*(r[0] for r in self.row_hidden), strict=True)]
+        ]
+        self.done = T
+        return True
 
     def finish(self) -> StartedBatch:
         assert self.last is not None and self.done >= self.ids.shape[1], "prefill not finished"

@@ -107,9 +107,20 @@ def pad_right(
 
 
 def _prefill(model: Transformer, cache: KVCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Right-padded ragged prefill; returns each row's last-position logits (B, V)."""
+    """Each row's prompt into the cache; returns each row's last-position logits (B, V).
+    Prompts of one length go in one forward; of different lengths, one row at a time onto its own
+    row of the cache (a one-row view), so no padding is computed (engine.Prefill says why)."""
     ids, lengths = pad_right(prompts, model.device)
     B, T = ids.shape
+    if min(lengths) != max(lengths):
+        last = []
+        for b, n in enumerate(lengths):
+            row = KVCache(k=cache.k[:, b : b + 1], v=cache.v[:, b : b + 1], lengths=[0])
+            positions = torch.arange(n, device=ids.device)[None]
+            index = torch.tensor([[n - 1]], device=ids.device)
+            last.append(model(ids[b : b + 1, :n], positions, row, logit_index=index).logits[0, 0])
+        cache.advance(lengths)
+        return torch.stack(last)
     positions = torch.arange(T, device=ids.device).expand(B, T)
     last = torch.tensor([[n - 1] for n in lengths], device=ids.device)  # (B, 1)
     out: ForwardOutput = model(ids, positions, cache, logit_index=last)
