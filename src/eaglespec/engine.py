@@ -352,8 +352,12 @@ class Prefill:
 
     def step(self) -> bool:
         """Prefill the next chunk; True once every prompt is in the cache."""
-        if self.by_row:
-            return self._row_step()
+        if self.by_row:  # a chunk of one row a step; every row in this step without a chunk
+            whole = self.chunk >= self.ids.shape[1]
+            while not self._row_step():
+                if not whole:
+                    return False
+            return True
         B, T = self.ids.shape
         c0, c1 = self.done, min(self.done + self.chunk, T)
         ids = self.ids[:, c0:c1]  # (B, t)
