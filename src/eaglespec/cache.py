@@ -179,6 +179,12 @@ class KVCache:
                 self.v[:, i] = self.v[:, r]
         return KVCache(k=self.k[:, :n], v=self.v[:, :n], lengths=[self.lengths[r] for r in rows])
 
+    def row(self, b: int) -> KVCache:
+        """Row b as a one-row cache over the same memory (a view: what a forward writes into it
+        is row b's), with row b's length; the caller sets this cache's lengths after. Each
+        layer's slice of a one-row view is contiguous, as the kernels want."""
+        return KVCache(k=self.k[:, b : b + 1], v=self.v[:, b : b + 1], lengths=[self.lengths[b]])
+
     def select_rows(self, rows: Sequence[int]) -> KVCache:
         """A cache holding only the given rows, in that order (a copy)."""
         idx = torch.tensor(list(rows), device=self.k.device)
@@ -302,10 +308,11 @@ def attention_mask(
     row 1: t0 sees slots 0-1, t1 sees 0-2 (slot 3 is row 1's padding and stays hidden).
     """
     B = len(lengths)
-    if new_mask is None and min(lengths) == max(lengths) and (num_new == 1 or lengths[0] == 0):
+    chain = new_mask is None and min(lengths) == max(lengths)  # causal, every row one length
+    if chain and (num_new == 1 or lengths[0] == 0):
         return None
     K = max(lengths) + num_new
-    if new_mask is None and min(lengths) == max(lengths):  # a chain: two ops where seven would do
+    if chain:  # two ops where seven would do
         causal = torch.ones(num_new, K, dtype=torch.bool, device=device).tril(K - num_new)
         return causal.expand(B, 1, num_new, K)  # t sees slots up to len + t
     length = torch.tensor(lengths, device=device)[:, None, None]  # (B, 1, 1)

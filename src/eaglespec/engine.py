@@ -387,16 +387,14 @@ class Prefill:
         b, n = self.row, self.lengths[self.row]
         c0, c1 = self.done, min(self.done + self.chunk, n)
         device = self.ids.device
-        rows = self.cache
-        cache = KVCache(k=rows.k[:, b : b + 1], v=rows.v[:, b : b + 1], lengths=[c0])  # a view
         out: ForwardOutput = self.target(
             self.ids[b : b + 1, c0:c1],
             torch.arange(c0, c1, device=device)[None],
-            cache,
+            self.cache.row(b),  # a view: the forward writes row b's entries
             capture=self.proposer.capture,
             logit_index=torch.tensor([[c1 - c0 - 1]], device=device),
         )
-        rows.lengths = [c1 if r == b else m for r, m in enumerate(rows.lengths)]
+        self.cache.lengths = [c1 if r == b else m for r, m in enumerate(self.cache.lengths)]
         self.row_hidden[b].append(list(out.hidden))
         self.done = c1
         if c1 < n:
@@ -407,13 +405,12 @@ class Prefill:
             return False
         self.last = torch.stack(self.row_last)  # (B, V)
         T = self.ids.shape[1]
-        for b, (n, chunks) in enumerate(zip(self.lengths, self.row_hidden, strict=True)):
+        padded = []  # per row: its captured states (1, T, C), zeros past its prompt
+        for n, chunks in zip(self.lengths, self.row_hidden, strict=True):
             states = [torch.cat(parts, dim=1) for parts in zip(*chunks, strict=True)]  # (1, n, C)
-            self.row_hidden[b] = [[torch.nn.functional.pad(h, (0, 0, 0, T - n)) for h in states]]
+            padded.append([torch.nn.functional.pad(h, (0, 0, 0, T - n)) for h in states])
         # one "chunk" of (B, T, C) states, as the batched forwards leave them
-        self.hidden = [
-            [torch.cat(h, dim=0) for h in zip(*(r[0] for r in self.row_hidden), strict=True)]
-        ]
+        self.hidden = [[torch.cat(h, dim=0) for h in zip(*padded, strict=True)]]
         self.done = T
         return True
 

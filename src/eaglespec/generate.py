@@ -115,7 +115,7 @@ def _prefill(model: Transformer, cache: KVCache, prompts: Sequence[Sequence[int]
     if min(lengths) != max(lengths):
         last = []
         for b, n in enumerate(lengths):
-            row = KVCache(k=cache.k[:, b : b + 1], v=cache.v[:, b : b + 1], lengths=[0])
+            row = cache.row(b)
             positions = torch.arange(n, device=ids.device)[None]
             index = torch.tensor([[n - 1]], device=ids.device)
             last.append(model(ids[b : b + 1, :n], positions, row, logit_index=index).logits[0, 0])
