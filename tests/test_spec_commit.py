@@ -13,7 +13,9 @@ from eaglespec.draft.loader import random_eagle3
 from eaglespec.draft.proposer import DraftState, Eagle3Proposer
 from eaglespec.engine import Prefill, speculate_round
 from eaglespec.generate import generate_stream
+from eaglespec.model import w4a8
 from eaglespec.model.llama import Transformer
+from eaglespec.model.quant import quantize_model
 from eaglespec.requests import collect_outputs, new_states
 from eaglespec.tree import graft_on_chain
 from helpers import NullTokenizer, tiny_target
@@ -183,3 +185,45 @@ def test_a_tree_round_commits_in_place_or_gathered_as_a_prefill(
     for row, g in enumerate(greedy):
         assert out.tokens[row] == g[1 : 2 + want[row]]
     _assert_caches_prefill(target, head, batch, prompts, greedy, [1 + a for a in want])
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_prompts_of_different_lengths_prefill_row_by_row_as_alone(chunk: int | None) -> None:
+    """A group of prompts of different lengths is prefilled one row at a time (engine.Prefill),
+    whole or in chunks: the target computes only the prompts' own positions (no padding), and,
+    at the commands' default precision (bf16 w4a8, whose kernels compute every row the same
+    whatever the others), the cache, the first logits and the head's start are each row's
+    prefill alone, bit for bit."""
+    missing = w4a8.available()
+    if missing is not None:
+        pytest.skip(f"the w4a8 kernel does not run here: {missing}")
+    target = quantize_model(tiny_target(3, vocab=96, hidden=128, layers=3).bfloat16(), "w4a8")
+    head = quantize_model(random_eagle3(target, seed=1), "w4a8")
+    prompts = [[5, 17, 33, 2, 8], [9, 1, 4], [3, 3, 7, 1, 60, 2, 11]]
+    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * 3
+    rows: list[int] = []
+    hook = target.register_forward_pre_hook(lambda _m, a: rows.append(a[0].numel()))
+
+    def started(group: list[list[int]], chunk: int | None) -> engine.StartedBatch:
+        proposer = Eagle3Proposer(head, (1, 1, 2))
+        seqs = new_states(group, params[: len(group)], NullTokenizer(), 128, target.device)
+        prefill = Prefill(target, proposer, group, params, seqs, 32, chunk=chunk, started=0.0)
+        while not prefill.step():
+            pass
+        return prefill.finish()
+
+    try:
+        together = started(prompts, chunk)
+        assert sum(rows) == sum(len(p) for p in prompts)  # no padded position computed
+        alone = [started([p], None) for p in prompts]
+    finally:
+        hook.remove()
+    for b, (p, solo) in enumerate(zip(prompts, alone, strict=True)):
+        n = len(p)
+        assert torch.equal(together.logits[b], solo.logits[0])
+        assert together.batch.cache.lengths[b] == n
+        assert torch.equal(together.batch.cache.k[:, b, :, :n], solo.batch.cache.k[:, 0, :, :n])
+        assert torch.equal(together.batch.cache.v[:, b, :, :n], solo.batch.cache.v[:, 0, :, :n])
+        draft, solo_draft = together.batch.draft, solo.batch.draft
+        assert torch.equal(draft.logits[b], solo_draft.logits[0])
+        assert draft.cache.lengths[b] == solo_draft.cache.lengths[0]
