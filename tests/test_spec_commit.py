@@ -193,7 +193,7 @@ def test_prompts_of_different_lengths_prefill_row_by_row_as_alone(chunk: int | N
     whole or in chunks: the target computes only the prompts' own positions (no padding), and,
     at the commands' default precision (bf16 w4a8, whose kernels compute every row the same
     whatever the others), the cache, the first logits and the head's start are each row's
-    prefill alone, bit for bit."""
+    prefill alone, bit for bit. The head's start goes row by row too."""
     missing = w4a8.available()
     if missing is not None:
         pytest.skip(f"the w4a8 kernel does not run here: {missing}")
@@ -203,6 +203,9 @@ def test_prompts_of_different_lengths_prefill_row_by_row_as_alone(chunk: int | N
     params = [SamplingParams(max_tokens=4, ignore_eos=True)] * 3
     rows: list[int] = []
     hook = target.register_forward_pre_hook(lambda _m, a: rows.append(a[0].numel()))
+    head_rows: list[int] = []
+    feed = head.feed
+    head.feed = lambda ids, *a, **k: head_rows.append(ids.numel()) or feed(ids, *a, **k)
 
     def started(group: list[list[int]], chunk: int | None) -> engine.StartedBatch:
         proposer = Eagle3Proposer(head, (1, 1, 2))
@@ -214,7 +217,7 @@ def test_prompts_of_different_lengths_prefill_row_by_row_as_alone(chunk: int | N
 
     try:
         together = started(prompts, chunk)
-        assert sum(rows) == sum(len(p) for p in prompts)  # no padded position computed
+        assert sum(rows) == sum(head_rows) == sum(len(p) for p in prompts)  # no padding
         alone = [started([p], None) for p in prompts]
     finally:
         hook.remove()
@@ -227,3 +230,5 @@ def test_prompts_of_different_lengths_prefill_row_by_row_as_alone(chunk: int | N
         draft, solo_draft = together.batch.draft, solo.batch.draft
         assert torch.equal(draft.logits[b], solo_draft.logits[0])
         assert draft.cache.lengths[b] == solo_draft.cache.lengths[0]
+        assert torch.equal(draft.cache.k[:, b, :, :n], solo_draft.cache.k[:, 0, :, :n])
+        assert torch.equal(draft.prenorm[b], solo_draft.prenorm[0])

@@ -107,11 +107,23 @@ class Eagle3Proposer:
         counts: Sequence[int],  # prompt length per row
         capacity: int,
     ) -> DraftState:
-        """Prefill the head over the prompt pairs (x_{p+1}, g_p), p = 0 .. L-1."""
+        """Prefill the head over the prompt pairs (x_{p+1}, g_p), p = 0 .. L-1. Prompts of
+        different lengths go row by row, each onto its own row of the cache, as the target's
+        prefill does (engine.Prefill): padded to the longest, the six sets' first two prompts
+        each cost the head 4x their own rows (9,228 for 2,258 tokens). Each row is computed as
+        it would be alone either way."""
         last = torch.tensor(list(counts), device=prompt_ids.device)[:, None] - 1  # (B, 1)
         shifted = prompt_ids.roll(-1, dims=1).scatter(1, last, roots[:, None])  # x_1 .. x_L
         cache = self.head.new_cache(prompt_ids.shape[0], capacity)
-        return self._advance(cache, shifted, aux, counts)
+        if len(set(counts)) == 1:
+            return self._advance(cache, shifted, aux, counts)
+        rows = [
+            self._advance(cache.row(b), shifted[b : b + 1, :n], [a[b : b + 1, :n] for a in aux], [n])
+            for b, n in enumerate(counts)
+        ]
+        cache.lengths = list(counts)
+        logits = torch.cat([r.logits for r in rows])  # (B, Vd)
+        return DraftState(cache, logits, torch.cat([r.prenorm for r in rows]))
 
     def select_rows(self, state: DraftState, rows: Sequence[int]) -> DraftState:
         return state.select_rows(rows)
