@@ -187,6 +187,35 @@ def test_a_tree_round_commits_in_place_or_gathered_as_a_prefill(
     _assert_caches_prefill(target, head, batch, prompts, greedy, [1 + a for a in want])
 
 
+def test_a_round_without_grafts_is_a_plain_step(
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`graft=False` (the adaptive policy's plain arm beside lookup's candidates alone) keeps a
+    grafting proposer's candidates out: a zero-draft round is then the plain decoding step, one
+    token a row, nothing verified; with the graft, the same round lands the graft's tokens."""
+    prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
+    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
+    greedy = [o.token_ids for o in plain]
+    head = random_eagle3(target, seed=1)
+    proposer = _GraftingHalfRight(head, [g[1:] for g in greedy], [0, 0], [True, True])
+    seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
+    prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
+    prefill.step()
+    batch = prefill.finish().batch
+    verified: list[int] = []
+    real = engine.verify_greedy_host
+    monkeypatch.setattr(engine, "verify_greedy_host", lambda *a: verified.append(1) or real(*a))
+    out = speculate_round(target, proposer, batch, num_draft=0, tree=None, graft=False)
+    assert out.tokens == [g[1:2] for g in greedy] and out.accepted == [0, 0] and not verified
+    assert out.sources == [["target"], ["target"]]
+    proposer.continuations = [g[2:] for g in greedy]  # after the new roots
+    out = speculate_round(target, proposer, batch, num_draft=0, tree=None)  # grafted
+    assert out.accepted == [2, 2] and verified == [1, 1]
+    assert out.tokens == [g[2:5] for g in greedy]
+    _assert_caches_prefill(target, head, batch, prompts, greedy, [4, 4])
+
+
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_prompts_of_different_lengths_prefill_row_by_row_as_alone(chunk: int | None) -> None:
     """A group of prompts of different lengths is prefilled one row at a time (engine.Prefill),

@@ -159,7 +159,7 @@ def save_calibration(key: CalibrationKey, policy: AdaptiveDraft, source: str) ->
         "key": asdict(key),
         "source": source,  # "calibrate" or "generate"
         "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "best": None if best is None else arm_name(best),
+        "best": None if best is None else arm_name(best, policy),
         "policy": policy.state(),
     }
     tmp = path.with_suffix(".tmp")
@@ -204,7 +204,7 @@ class CalibrationStore:
 
 @dataclass(frozen=True, slots=True)
 class ArmResult:
-    choice: str  # "plain", "chain<k>" or "tree<depth>,<top-k>,<nodes>"
+    choice: str  # "plain", "lookup", "chain<k>" or "tree<depth>,<top-k>,<nodes>"
     rounds: int
     seconds_per_round: float
     tokens_per_round: float  # bonus included
@@ -232,7 +232,9 @@ def calibrate(
         mean = sum(seconds) / len(seconds)
         per_round = sum(tokens) / len(tokens)
         policy.record(choice, 1, mean, per_round)
-        rows.append(ArmResult(arm_name(choice), len(seconds), mean, per_round, per_round / mean))
+        rows.append(
+            ArmResult(arm_name(choice, policy), len(seconds), mean, per_round, per_round / mean)
+        )
     return policy, rows
 
 
@@ -253,6 +255,9 @@ class _Recorder(FixedDraft):
         self.tokens.extend(1 + a for a in accepted)
 
 
-def arm_name(choice: DraftChoice) -> str:
-    """The arm as reports name it: "plain" for a zero-draft chain, else the policy's name."""
-    return "plain" if choice.num_draft == 0 and choice.tree is None else choice.name
+def arm_name(choice: DraftChoice, policy: AdaptiveDraft) -> str:
+    """The arm as reports name it: "plain" for plain steps, "lookup" for a grafting proposer's
+    candidates alone (its zero-draft arm), else the policy's name."""
+    if choice == policy.plain:
+        return "plain"
+    return "lookup" if choice == policy.zero else choice.name

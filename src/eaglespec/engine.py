@@ -254,18 +254,21 @@ class BatchRunner:
         the round's time and acceptance."""
         batch = len(self.seqs)
         choice = policy.choose(batch)
-        report = self.round(choice.num_draft, choice.tree)
+        report = self.round(choice.num_draft, choice.tree, graft=choice.graft)
         policy.observe(batch, choice, report.seconds, report.output.accepted)
         return report
 
-    def round(self, num_draft: int, tree: TreeConfig | None) -> RoundReport:
-        """One draft-and-verify round for every row; finished rows leave afterwards."""
+    def round(self, num_draft: int, tree: TreeConfig | None, *, graft: bool = True) -> RoundReport:
+        """One draft-and-verify round for every row; finished rows leave afterwards. `graft`:
+        whether a grafting proposer adds its candidates (speculate_round)."""
         assert self.batch is not None, "round() on an empty batch"
         start = time.perf_counter()
         tops = [s.params.logprobs for s in self.seqs]
-        result = speculate_round(self.target, self.proposer, self.batch, num_draft, tree, tops)
+        result = speculate_round(
+            self.target, self.proposer, self.batch, num_draft, tree, tops, graft=graft
+        )
         now = time.perf_counter()
-        shape = DraftChoice(num_draft, tree).name
+        shape = DraftChoice(num_draft, tree, graft).name
         events, keep = [], []
         for row, seq in enumerate(self.seqs):
             seq.out.stats.record_round(
@@ -438,10 +441,15 @@ def speculate_round(
     num_draft: int,
     tree: TreeConfig | None,
     logprobs: Sequence[int | None] = (),
+    *,
+    graft: bool = True,
 ) -> RoundOutput:
     """Propose, verify in one target forward, commit both caches; updates `batch` in place.
     Near the end of the cache the chain is shortened (a tree falls back to a chain).
-    `logprobs[b]`: row b's number of top alternatives, None (or no entry) for no logprobs."""
+    `logprobs[b]`: row b's number of top alternatives, None (or no entry) for no logprobs.
+    `graft` False: a grafting proposer's candidates (prompt lookup) stay out of this round, so
+    a round of no drafts is a plain decoding step (the adaptive policy's plain arm: in a batch,
+    every row verifies as many tokens as its longest graft, policy.py)."""
     clock = PhaseClock(batch.roots.device)
     clock.mark()
     room = batch.cache.capacity - max(batch.cache.lengths) - 1
@@ -453,9 +461,9 @@ def speculate_round(
         drafts = proposer.propose(batch.draft, k) if k else roots.new_empty(len(roots), 0)
         drafted = chain_tree(roots, drafts)
     own_nodes = drafted.tokens.shape[1]  # nodes past these are grafted (prompt lookup's)
-    graft = getattr(proposer, "graft", None)  # GraftingProposer's (its isinstance: ~20 us)
-    if graft is not None:
-        drafted = graft(batch.draft, drafted, room)
+    grafter = getattr(proposer, "graft", None) if graft else None  # (its isinstance: ~20 us)
+    if grafter is not None:  # a GraftingProposer's candidates
+        drafted = grafter(batch.draft, drafted, room)
     clock.mark()
     if drafted.num_nodes == 1 and batch.st.all_greedy and all(t is None for t in logprobs):
         return _plain_round(target, proposer, batch, clock)

@@ -25,20 +25,25 @@ own measured tokens per round.
 k = 0 is a plain decoding step (the draft only catches up), so drafting stops when no k > 0
 beats it by a margin (5%, so that round-time noise alone does not move it off plain steps). With
 a proposer that grafts its own candidates into every round (prompt lookup, `grafts`), k = 0 is a
-speculative round too and the margin is 0: a 5% lean towards it measured 2-7% slower on SmolLM2's
-six sets (benchmarks/policy_ab.py, BENCHMARKS.md). Arms
-never measured at a batch bucket are tried before their costs are trusted, twice: the first
-round of an arm at a bucket is a warm-up whose time is not kept (first calls allocate, and a
-compiled step compiles that shape), and while
-drafting is off a probe round every `probe_every` rounds keeps the acceptance estimate from going
-stale. This is the cost model the server runs; nothing in it is a constant guessed for a machine
-(the margin is a tolerance for noise, not a cost). Among the drafting arms the shortest whose
-expected rate is within LONGER_LEAN (5%) of the best runs: the model credits a longer chain with
-every position's pooled acceptance, but a longer chain's rounds land less than that where it
-counts (prompt lookup keys its graft on a chain of one's draft only, draft/hybrid.py), and an
-estimate within a few percent of another is noise; on SmolLM2's six sets the default ran gated
-chains of 4 in 76-97% of its rounds at 2.00-2.12 tokens against the chain of one's 2.17
-(BENCHMARKS.md, session 52).
+speculative round too (lookup's candidates alone), and plain steps are one more arm (DraftChoice
+graft=False): in a batch every row verifies as many tokens as the longest graft, so on SmolLM2 a
+12-row zero-draft round took 4.4x a plain step for 1.7 tokens a row, and a batch that could only
+choose among speculative rounds ran at 0.54x plain decoding (session 59). The head's arms must
+beat lookup's alone with no margin (a 5% lean towards it measured 2-7% slower on SmolLM2's six
+sets, benchmarks/policy_ab.py, BENCHMARKS.md), and whatever wins must beat plain steps by the
+margin. Arms never measured at a batch bucket are tried before their costs are trusted, twice:
+the first round of an arm at a bucket is a warm-up whose time is not kept (first calls allocate,
+and a compiled step compiles that shape). While no head arm runs, a probe of the best one keeps
+the acceptance estimate from going stale; probes run once the rounds since the last have taken
+`probe_every` times the probe's round time, so they cost at most 1 / probe_every of the time at
+any batch size. This is the cost model the server runs; nothing in it is a constant guessed for
+a machine (the margin is a tolerance for noise, not a cost). Among the drafting arms the
+shortest whose expected rate is within LONGER_LEAN (5%) of the best runs: the model credits a
+longer chain with every position's pooled acceptance, but a longer chain's rounds land less than
+that where it counts (prompt lookup keys its graft on a chain of one's draft only,
+draft/hybrid.py), and an estimate within a few percent of another is noise; on SmolLM2's six
+sets the default ran gated chains of 4 in 76-97% of its rounds at 2.00-2.12 tokens against the
+chain of one's 2.17 (BENCHMARKS.md, session 52).
 """
 
 from __future__ import annotations
@@ -61,9 +66,14 @@ LONGER_LEAN = 0.05
 class DraftChoice:
     num_draft: int  # chain length (0: no drafting this round)
     tree: TreeConfig | None = None  # an EAGLE-2 tree instead of a chain
+    # whether a grafting proposer (prompt lookup, draft/hybrid.py) adds its candidates; False
+    # with no drafts: a plain decoding step, one token a row
+    graft: bool = True
 
     @property
     def name(self) -> str:
+        if not self.graft and self.num_draft == 0 and self.tree is None:
+            return "plain"
         if self.tree is not None:
             t = self.tree
             return f"tree{t.depth},{t.top_k},{t.num_nodes}"
@@ -135,7 +145,8 @@ class AdaptiveDraft:
     ) -> None:
         """`measure_tokens`: the zero-draft arm's tokens per round is its measured moving
         average, not 1: for a proposer that grafts candidates of its own into every round
-        (draft/hybrid.py) a zero-draft round lands what the grafts do. Chains of k >= 1 are
+        (draft/hybrid.py) a zero-draft round lands what the grafts do, and plain steps are an
+        arm of their own (`plain`, beside `zero`). Chains of k >= 1 are
         always valued by the pooled model plus the surplus (module doc): measured one arm at a
         time, an arm judged on its first unlucky rounds (a response's opening tokens accept
         little) was never run again, and the default ran the arm that happened to look best
@@ -143,9 +154,14 @@ class AdaptiveDraft:
         if max_draft < 1:
             raise InvalidRequestError(f"adaptive drafting needs max_draft >= 1, got {max_draft}")
         self.max_draft = max_draft
-        self.choices = [DraftChoice(k) for k in range(max_draft + 1)]
+        # The plain decoding step; under grafts the zero-draft arm is a speculative round too
+        # (lookup's candidates alone), so a plain step is an arm of its own.
+        self.plain = DraftChoice(0, graft=not measure_tokens)
+        self.zero = DraftChoice(0) if measure_tokens else None
+        self.heads = [DraftChoice(k) for k in range(1, max_draft + 1)]  # the head's arms
         if tree is not None:
-            self.choices.append(DraftChoice(0, tree))
+            self.heads.append(DraftChoice(0, tree))
+        self.choices = [self.plain] + ([self.zero] if self.zero else []) + self.heads
         self.arms = {c: _Arm() for c in self.choices}
         # Weight of a new round's time (and measured tokens) in its arm's moving average. A
         # round's tokens swing from 1 to 6 with lookup's grafts, so at 0.2 one lucky or unlucky
@@ -155,7 +171,7 @@ class AdaptiveDraft:
         self.smoothing = smoothing
         self.forget = forget  # per-row decay of the acceptance counts
         self.probe_every = probe_every
-        self.margin = margin  # how much faster than the zero-draft arm a drafting arm must look
+        self.margin = margin  # how much faster than plain steps any other arm must look
         self.lean = lean  # how much faster than a shorter drafting arm a longer one must look
         self.proposed = [0.0] * max_draft  # [j]: rows that proposed >= j + 1 (decayed)
         self.accepted = [0.0] * max_draft  # [j]: rows that accepted >= j + 1 (decayed)
@@ -184,28 +200,38 @@ class AdaptiveDraft:
             if bucket not in self.arms[c].seconds:
                 return c
         best = self._pick(bucket)
-        if best.num_draft == 0 and best.tree is None:
+        if best not in self.heads:  # plain steps or lookup's candidates alone
             self.rounds_without_drafts += 1
-            if self.rounds_without_drafts >= self.probe_every:  # refresh the acceptance estimate
+            probe = max(self.heads, key=lambda c: self.rate(c, bucket))
+            if self._due(self.rounds_without_drafts, best, probe, bucket):  # refresh acceptance
                 self.rounds_without_drafts = 0
-                drafting = [c for c in self.choices if c.num_draft or c.tree]
-                return max(drafting, key=lambda c: self.rate(c, bucket))
+                return probe
             return best
         self.rounds_without_drafts = 0
         if best.tree is None and best.num_draft < self.max_draft:
             self.rounds_below_longest += 1
-            if self.rounds_below_longest >= self.probe_every:  # refresh the next position's
-                self.rounds_below_longest = 0  # acceptance (only longer chains ask for it), or
-                self.probe_shorter = not self.probe_shorter  # the shorter arm's time
-                if self.probe_shorter and best.num_draft > 1:
-                    return self.choices[best.num_draft - 1]
-                return self.choices[best.num_draft + 1]
+            # the next longer chain (the next position's acceptance: only it asks for that) or
+            # the next shorter one (its time), by turns
+            shorter = not self.probe_shorter and best.num_draft > 1
+            probe = DraftChoice(best.num_draft + (-1 if shorter else 1))
+            if self._due(self.rounds_below_longest, best, probe, bucket):
+                self.rounds_below_longest = 0
+                self.probe_shorter = not self.probe_shorter
+                return probe
         return best
+
+    def _due(self, rounds: int, best: DraftChoice, probe: DraftChoice, bucket: int) -> bool:
+        """Whether a probe is due: once the rounds of `best` since the last one have taken
+        `probe_every` times the probe's round time, so probes cost at most 1 / probe_every of
+        the time. Counted in rounds alone, a probe of a chain of one every 32 plain steps of a
+        12-row batch cost 18% of the time (a round of it takes 6 plain steps' time there)."""
+        seconds = self.arms[best].seconds[bucket], self.arms[probe].seconds[bucket]
+        return rounds * seconds[0] >= self.probe_every * seconds[1]
 
     def _measured(self, choice: DraftChoice) -> bool:
         """Whether the arm is valued at its measured tokens per round (the tree, and the
         zero-draft arm under grafts), not by the chain model."""
-        return choice.tree is not None or (self.measure_tokens and choice.num_draft == 0)
+        return choice.tree is not None or (choice == self.zero)
 
     def _weight(self, n: int) -> float:
         """A moving average's weight for its n-th value: the plain mean until 1 / smoothing
@@ -222,14 +248,16 @@ class AdaptiveDraft:
         return self._pick(bucket)
 
     def _pick(self, bucket: int) -> DraftChoice:
-        """The shortest drafting arm within `lean` of the best drafting arm's expected rate
-        (chains by length, then the tree), unless it beats the zero-draft arm by less than the
-        margin (every arm measured at `bucket`)."""
-        plain, drafting = self.choices[0], self.choices[1:]
-        top = max(self.rate(c, bucket) for c in drafting)
-        best = next(c for c in drafting if (1 + self.lean) * self.rate(c, bucket) >= top)
-        if self.rate(best, bucket) < (1 + self.margin) * self.rate(plain, bucket):
-            best = plain  # drafting must beat plain steps clearly, not within round-time noise
+        """The shortest of the head's arms within `lean` of the best one's expected rate
+        (chains by length, then the tree); lookup's candidates alone (the grafted zero-draft
+        arm) if they look faster; plain steps unless the pick beats them by the margin (every
+        arm measured at `bucket`)."""
+        top = max(self.rate(c, bucket) for c in self.heads)
+        best = next(c for c in self.heads if (1 + self.lean) * self.rate(c, bucket) >= top)
+        if self.zero is not None and self.rate(best, bucket) < self.rate(self.zero, bucket):
+            best = self.zero  # a speculative round too: no margin (module doc)
+        if self.rate(best, bucket) < (1 + self.margin) * self.rate(self.plain, bucket):
+            best = self.plain  # drafting must beat plain steps clearly, not within noise
         return best
 
     def rate(self, choice: DraftChoice, bucket: int) -> float:
@@ -331,16 +359,16 @@ def make_policy(
 ) -> DraftPolicy:
     """`mode` "adaptive", "on" (the configured shape every round) or "off"; without a draft only
     "off" runs. `grafts`: the proposer adds candidates to every round (measure the zero-draft
-    arm's tokens, AdaptiveDraft's `measure_tokens`, and no margin over it, since it then drafts
-    too). A gated head (Eagle3Proposer's min_prob) needs nothing more: a draft it declines counts
-    as not accepted at its position, so the chain model values gated arms at what they land."""
+    arm's tokens, AdaptiveDraft's `measure_tokens`, with no margin over it, since it then drafts
+    too, and plain steps an arm of their own). A gated head (Eagle3Proposer's min_prob) needs
+    nothing more: a draft it declines counts as not accepted at its position, so the chain model
+    values gated arms at what they land."""
     check_policy_args(mode, num_draft, tree, has_draft=has_draft)
     if mode == "off" or not has_draft:
         return FixedDraft(DraftChoice(0))
     if mode == "on":
         return FixedDraft(DraftChoice(num_draft, tree))
-    margin = 0.0 if grafts else PLAIN_MARGIN
-    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=grafts, margin=margin)
+    return AdaptiveDraft(max(1, num_draft), tree, measure_tokens=grafts)
 
 
 def check_policy_args(

@@ -137,7 +137,7 @@ def _calibrate(args: argparse.Namespace, questions: list[Question]) -> int:
             f"{a.tokens_per_round:.2f} | {a.tokens_per_second:.1f} |"
         )
     best = policy.best(1)
-    print(f"best at batch 1: {arm_name(best) if best else '-'}; stored in {path}")
+    print(f"best at batch 1: {arm_name(best, policy) if best else '-'}; stored in {path}")
     return 0
 
 

@@ -118,7 +118,9 @@ class Eagle3Proposer:
         if len(set(counts)) == 1:
             return self._advance(cache, shifted, aux, counts)
         rows = [
-            self._advance(cache.row(b), shifted[b : b + 1, :n], [a[b : b + 1, :n] for a in aux], [n])
+            self._advance(
+                cache.row(b), shifted[b : b + 1, :n], [a[b : b + 1, :n] for a in aux], [n]
+            )
             for b, n in enumerate(counts)
         ]
         cache.lengths = list(counts)
