@@ -10,6 +10,16 @@ greedy, eager; tokens per second of decoding = B * max_tokens over the generatio
 prefill included (one forward over B rows). Medians over --repeats after one warm-up run; batch
 sizes interleaved repeat by repeat. `--amx both` times each batch with the w4a8 kernels' AMX
 tiles on and off in turn (csrc/w4a8.cpp; the same bits either way, checked).
+
+    python benchmarks/batched_decode.py --questions ../shared/data/eval/*.jsonl --limit 2
+                                        [--speculation off adaptive] [--repeats 3]
+
+One batch of real prompts instead (the first turns of each file's first --limit questions: the
+lengths differ), greedy, ending at end-of-turn or --max-tokens, once per --speculation mode (an
+LLM each, the commands' default draft), the modes interleaved repeat by repeat and every output
+checked equal to the first mode's. The first call of each mode is reported apart: an adaptive
+policy measures its arms at each batch size on first meeting it (policy.py) and keeps what it
+learned for the later calls.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import time
 import torch
 
 from eaglespec import LLM, SamplingParams
+from eaglespec.bench.questions import read_all
 
 PROMPT = "Write a short story about a robot learning to paint."
 
@@ -32,7 +43,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--amx", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--questions", nargs="+", help="question files: one batch of their prompts")
+    ap.add_argument("--limit", type=int, default=2, help="questions a file (with --questions)")
+    ap.add_argument("--speculation", nargs="+", default=["off", "adaptive"])
     args = ap.parse_args()
+    if args.questions:
+        real_prompts(args)
+        return
     llm = LLM(args.model, dtype="auto", quant="auto", draft="none", progress=False)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.amx]
@@ -59,6 +76,35 @@ def main() -> None:
             t = statistics.median(times[b, amx])
             rate = b * args.max_tokens / t
             print(f"| {b} | {'on' if amx else 'off'} | {t:.2f} | {rate:.0f} | {rate / one:.2f} |")
+
+
+def real_prompts(args: argparse.Namespace) -> None:
+    prompts = [q.turns[0] for q in read_all(args.questions, args.limit)]
+    llms = {m: LLM(args.model, speculation=m, progress=False) for m in args.speculation}
+    params = SamplingParams(max_tokens=args.max_tokens)
+    times: dict[str, list[float]] = {m: [] for m in llms}
+    first: list[list[int]] = []
+    for _ in range(args.repeats + 1):
+        for mode, llm in llms.items():
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            times[mode].append(time.perf_counter() - start)
+            ids = [o.token_ids for o in outs]
+            if not first:
+                first.extend(ids)
+            assert ids == first, f"{mode} differs from {args.speculation[0]}"
+    tokens = sum(len(t) for t in first)
+    lengths = [len(llms[args.speculation[0]].encode(p)) for p in prompts]
+    print(
+        f"{args.model}, default precision, {len(prompts)} prompts of {min(lengths)}-"
+        f"{max(lengths)} tokens ({sum(lengths)} in all), {tokens} new tokens in all"
+    )
+    base = statistics.median(times[args.speculation[0]][1:])
+    print(f"| speculation | first call s | later calls s (median) | x {args.speculation[0]} |")
+    print("|---|---|---|---|")
+    for mode, t in times.items():
+        later = statistics.median(t[1:])
+        print(f"| {mode} | {t[0]:.2f} | {later:.2f} | {base / later:.2f} |")
 
 
 if __name__ == "__main__":
