@@ -99,7 +99,7 @@ def _wide_run(model: Transformer) -> list[torch.Tensor]:
     for t in (1, 1, 3):
         step = torch.randint(0, V, (2, t))
         pos = torch.tensor(cache.lengths)[:, None] + torch.arange(t)
-        out = model(step, pos, cache, capture=(1, 2))
+        out = model(step, pos, cache, capture=(1, len(model.layers)))
         outs += [out.logits, *out.hidden]
         cache.advance([t, t])
     return [*outs, cache.k, cache.v]
@@ -111,12 +111,15 @@ def test_the_kernels_called_directly_in_one_team_give_the_ops_bits(
     dtype: torch.dtype, bias: bool
 ) -> None:
     """The fused forward's kernels called directly (layer.cpp's native_layer, `use_native`, with
-    Qwen2's q/k/v bias where `bias`) and run in one team of threads (team.h,
+    Qwen2's q/k/v bias where `bias`; all layers in one pass over shared buffers, native_stack,
+    `use_native_stack`, or layer by layer) and run in one team of threads (team.h,
     `use_team`: two threads, each matrix's and attention's chunks taken in pieces, the last
     ones by whichever thread is free) against each kernel called as an op in a parallel region
     of its own: the same logits, states and caches, bit for bit. Wide enough (hidden 512, 30
-    keys) that the matrices and attention are shared between the threads."""
-    model = quantize_model(tiny_target(8, vocab=V, hidden=512, layers=2).to(dtype), "w4a8")
+    keys) that the matrices and attention are shared between the threads; four layers, the
+    output of the first and of the last captured, so native_stack's two spare buffers take
+    layers 2 and 3 by turns."""
+    model = quantize_model(tiny_target(8, vocab=V, hidden=512, layers=4).to(dtype), "w4a8")
     if bias:
         for block in model.layers:
             lin = block.attn.wqkv
@@ -128,16 +131,18 @@ def test_the_kernels_called_directly_in_one_team_give_the_ops_bits(
     try:
         with torch.inference_mode():
             for team in (False, True):
-                for native in (False, True):
+                for native, stack in ((False, False), (True, False), (True, True)):
                     ops.use_team(team)
                     ops.use_native(native)
-                    runs[team, native] = _wide_run(model)
+                    ops.use_native_stack(stack)
+                    runs[team, native, stack] = _wide_run(model)
     finally:
         ops.use_team(True)
         ops.use_native(True)
+        ops.use_native_stack(True)
         torch.set_num_threads(threads)
     for key, outs in runs.items():
-        for a, b in zip(outs, runs[False, False], strict=True):
+        for a, b in zip(outs, runs[False, False, False], strict=True):
             assert torch.equal(a, b), key
 
 
