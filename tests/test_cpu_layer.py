@@ -37,14 +37,21 @@ pytestmark = pytest.mark.skipif(
 V = 96
 
 
-def _target(dtype: torch.dtype, bias: bool = False) -> Transformer:
-    """Head dim 32 (the smallest the kernels take), w4a8, optionally with biases (Qwen2's q/k/v
-    bias) on every matrix."""
+# The matrices w4a8-mixed keeps at 8 bits in the tests' mixed models (as a Q4_K_M GGUF keeps some
+# of its matrices at 6 or 8: Qwen2.5-Coder-0.5B's are mostly 8-bit), one of each kind.
+MIXED_WIDE = {"layers.0.attn.wqkv", "layers.1.mlp.w2", "layers.2.mlp.w13", "layers.2.attn.wo"}
+
+
+def _target(dtype: torch.dtype, bias: bool = False, mixed: bool = False) -> Transformer:
+    """Head dim 32 (the smallest the kernels take), w4a8 (with `mixed`, w4a8-mixed: some
+    matrices 8-bit), optionally with biases (Qwen2's q/k/v bias) on every matrix."""
     model = tiny_target(3, vocab=V, hidden=128, layers=3)
     if bias:
         for block in model.layers:
             for lin in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2):
                 lin.bias = torch.nn.Parameter(torch.randn(lin.out_features) * 0.1, False)
+    if mixed:
+        return quantize_model(model.to(dtype), "w4a8-mixed", MIXED_WIDE)
     return quantize_model(model.to(dtype), "w4a8")
 
 
@@ -77,13 +84,18 @@ def _assert_fused_is_python(model: Transformer, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("mixed", [False, True])
 def test_the_fused_layer_has_the_python_forwards_bits(
-    dtype: torch.dtype, bias: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, bias: bool, mixed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _target(dtype, bias)
+    """The fused layers (the whole decoder in one call) against the Python forward, with every
+    matrix 4-bit or some 8-bit (w4a8-mixed: the op tells them by their packed size), with and
+    without biases."""
+    model = _target(dtype, bias, mixed)
     block, x = model.layers[0], torch.zeros(1, 1, 128, dtype=dtype)
     plan = model.new_cache(1, 4).plan(1)
     assert cpu_layer.fits(block, x, model.new_cache(1, 4).k_layers[0], plan)
+    assert cpu_layer.stack_args(model).fused
     with torch.inference_mode():
         _assert_fused_is_python(model, monkeypatch)
 
@@ -106,9 +118,9 @@ def _wide_run(model: Transformer) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("bias", "mixed"), [(False, False), (True, False), (False, True)])
 def test_the_kernels_called_directly_in_one_team_give_the_ops_bits(
-    dtype: torch.dtype, bias: bool
+    dtype: torch.dtype, bias: bool, mixed: bool
 ) -> None:
     """The fused forward's kernels called directly (layer.cpp's native_layer, `use_native`, with
     Qwen2's q/k/v bias where `bias`; all layers in one pass over shared buffers, native_stack,
@@ -118,8 +130,10 @@ def test_the_kernels_called_directly_in_one_team_give_the_ops_bits(
     of its own: the same logits, states and caches, bit for bit. Wide enough (hidden 512, 30
     keys) that the matrices and attention are shared between the threads; four layers, the
     output of the first and of the last captured, so native_stack's two spare buffers take
-    layers 2 and 3 by turns."""
-    model = quantize_model(tiny_target(8, vocab=V, hidden=512, layers=4).to(dtype), "w4a8")
+    layers 2 and 3 by turns. With `mixed`, some matrices 8-bit (w4a8-mixed)."""
+    model = tiny_target(8, vocab=V, hidden=512, layers=4).to(dtype)
+    wide = MIXED_WIDE if mixed else set()
+    model = quantize_model(model, "w4a8-mixed" if mixed else "w4a8", wide)
     if bias:
         for block in model.layers:
             lin = block.attn.wqkv

@@ -13,10 +13,14 @@ Python forward's (tests/test_cpu_layer.py); only the Python goes. Measured (Smol
 Taken where every piece would be taken anyway: eager (compiled forwards are one graph already), no
 gradients, fp32 or bf16, any number of new tokens onto a cache (a CPU prefill carries its causal
 mask: cache.KVCache.plan), no q/k norm (Qwen3 keeps the Python forward), the four matrices
-`W4A8Linear`. Gemma 3's SandwichBlock has an op of its own (`sandwich`: its four norms, q/k norms
-and query scale, GELU-tanh, each matrix `W4A8Linear` or `W8A8Linear` as w4a8-mixed stored it, no
-biases); measured on gemma3-270m, a decode step 16.8 -> 14.3 ms and plain decoding 60 -> 75-78
-tok/s (docs/benchmark-history.md, session 21).
+`W4A8Linear` or `W8A8Linear` (w4a8-mixed keeps a GGUF's 6- and 8-bit matrices at 8 bits; the op
+tells them by their packed size: since session 59, before which a layer with one of them ran the
+Python forward, as Qwen2.5-Coder-0.5B's Q4_K_M, mostly 8-bit, did in every layer: its one-token
+forward 29.8 -> 20.3 ms, in one process on the AVX2 VM). Gemma 3's
+SandwichBlock has an op of its own (`sandwich`: its four norms, q/k norms and query scale,
+GELU-tanh, each matrix `W4A8Linear` or `W8A8Linear` as w4a8-mixed stored it, no biases); measured
+on gemma3-270m, a decode step 16.8 -> 14.3 ms and plain decoding 60 -> 75-78 tok/s
+(docs/benchmark-history.md, session 21).
 
 A decoder of llama Blocks that all take the op (not Gemma's sliding layers) runs whole in one call
 (`stack`: the same op per layer, in C++, so the same bits), its arguments kept on the model
@@ -251,10 +255,11 @@ def _matrices(
     attn: nn.Module, mlp: nn.Module, sources: Sources
 ) -> tuple[tuple[object, ...], int, bool]:
     """The four matrices with biases and output sizes, the head count, and whether all four are
-    w4a8 (the op's only kind)."""
+    the op's kinds: 4-bit (W4A8Linear) or 8-bit (W8A8Linear, as w4a8-mixed stores a GGUF's 6-
+    and 8-bit matrices; the op tells them by their packed size)."""
     linears = [_read(attn, "wqkv", sources), _read(attn, "wo", sources)]
     linears += [_read(mlp, "w13", sources), _read(mlp, "w2", sources)]
-    if not all(isinstance(m, w4a8.W4A8Linear) for m in linears):
+    if not all(isinstance(m, (w4a8.W4A8Linear, w4a8.W8A8Linear)) for m in linears):
         return (), 0, False
     wqkv, wo, w13, w2 = linears
     matrices = (

@@ -27,6 +27,10 @@ void w4a8_rows(int bits, const T* x, int64_t M, int64_t K, const uint8_t* w, int
 // The checks linear makes of a packed weight for K inputs and N outputs (a clear error).
 void w4a8_check(const at::Tensor& w, int64_t K, int64_t N, int bits);
 
+// The bits a packed weight for K inputs and N outputs is stored at, told by its size (4: as
+// linear packs it, 8: as linear8 does; the two differ for every K and N); 0 for neither.
+int packed_bits(const at::Tensor& w, int64_t K, int64_t N);
+
 // y (M, C) = rms_norm(x (M, C)) * w (C) in W = float or T, as rowops' rms_norm.
 template <typename T, typename W>
 void rms_norm_rows(const T* x, const W* w, T* y, int64_t M, int64_t C, float eps);

@@ -19,6 +19,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <optional>
@@ -79,18 +80,22 @@ at::Tensor project_bits(const at::Tensor& x2, const at::Tensor& w, int64_t bits,
   return bits == 4 ? ops().linear.call(x2, w, N) : ops().linear8.call(x2, w, N);
 }
 
-// (M, K) rows through one w4a8 matrix of N outputs, plus the bias in the model's dtype.
+// (M, K) rows through one matrix of N outputs, 4-bit (linear) or 8-bit (linear8, as w4a8-mixed
+// stores some of a layer's matrices: the packed size tells which), plus the bias in the model's
+// dtype.
 at::Tensor project(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& b,
                    int64_t N) {
-  at::Tensor y = ops().linear.call(x2, w, N);
+  const bool eight = kernels::packed_bits(w, x2.size(1), N) == 8;
+  at::Tensor y = eight ? ops().linear8.call(x2, w, N) : ops().linear.call(x2, w, N);
   return b.has_value() ? y + *b : y;
 }
 
-// residual + project(x2, w, b, N): without a bias through the kernel's own add (linear_add, the
-// same bits as ATen's add of the two), with one as two ATen adds.
+// residual + project(x2, w, b, N): without a bias through the 4-bit kernel's own add
+// (linear_add, the same bits as ATen's add of the two), else as ATen adds.
 at::Tensor project_add(const at::Tensor& x2, const at::Tensor& w,
                        const std::optional<at::Tensor>& b, int64_t N, const at::Tensor& residual) {
-  if (b.has_value()) return residual + project(x2, w, b, N);
+  if (b.has_value() || kernels::packed_bits(w, x2.size(1), N) == 8)
+    return residual + project(x2, w, b, N);
   return ops().linear_add.call(x2, w, N, residual);
 }
 
@@ -124,12 +129,15 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
   const int64_t Cin = h.size(2), R = B * T_;
   const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), H = num_heads, I = n_13 / 2;
   const at::TensorOptions opts = residual.options();
-  kernels::w4a8_check(wqkv, Cin, n_qkv, 4);
-  kernels::w4a8_check(wo, H * D, C, 4);
-  kernels::w4a8_check(w13, C, n_13, 4);
-  kernels::w4a8_check(w2, I, C, 4);
+  // each matrix 4- or 8-bit (w4a8-mixed), its packed size tells
+  const int b_qkv = kernels::packed_bits(wqkv, Cin, n_qkv), b_o = kernels::packed_bits(wo, H * D, C);
+  const int b_13 = kernels::packed_bits(w13, C, n_13), b_2 = kernels::packed_bits(w2, I, C);
+  kernels::w4a8_check(wqkv, Cin, n_qkv, b_qkv);
+  kernels::w4a8_check(wo, H * D, C, b_o);
+  kernels::w4a8_check(w13, C, n_13, b_13);
+  kernels::w4a8_check(w2, I, C, b_2);
   at::Tensor qkv = at::empty({B, T_, H + 2 * Hkv, D}, opts);
-  kernels::w4a8_rows<T>(4, h.data_ptr<T>(), R, Cin, wqkv.data_ptr<uint8_t>(), n_qkv,
+  kernels::w4a8_rows<T>(b_qkv, h.data_ptr<T>(), R, Cin, wqkv.data_ptr<uint8_t>(), n_qkv,
                         qkv.data_ptr<T>(), nullptr);
   if (bqkv.has_value()) add_bias<T>(qkv.data_ptr<T>(), bqkv->data_ptr<T>(), R, n_qkv);
   at::Tensor q = at::empty({B, T_, H, D}, opts);
@@ -138,7 +146,7 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
   kernels::attend_into(q.transpose(1, 2), k_cache.narrow(2, 0, num_keys),
                        v_cache.narrow(2, 0, num_keys), mask, std::pow(double(D), -0.5), a);
   at::Tensor x_attn = at::empty({B, T_, C}, opts);  // residual + wo(a)
-  kernels::w4a8_rows<T>(4, a.data_ptr<T>(), R, H * D, wo.data_ptr<uint8_t>(), C,
+  kernels::w4a8_rows<T>(b_o, a.data_ptr<T>(), R, H * D, wo.data_ptr<uint8_t>(), C,
                         x_attn.data_ptr<T>(), residual.data_ptr<T>());
   at::Tensor h2 = at::empty({R, C}, opts);
   if (mlp_norm.scalar_type() == at::kFloat)
@@ -148,13 +156,13 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
     kernels::rms_norm_rows<T, T>(x_attn.data_ptr<T>(), mlp_norm.data_ptr<T>(), h2.data_ptr<T>(),
                                  R, C, static_cast<float>(eps));
   at::Tensor gu = at::empty({R, n_13}, opts);
-  kernels::w4a8_rows<T>(4, h2.data_ptr<T>(), R, C, w13.data_ptr<uint8_t>(), n_13,
+  kernels::w4a8_rows<T>(b_13, h2.data_ptr<T>(), R, C, w13.data_ptr<uint8_t>(), n_13,
                         gu.data_ptr<T>(), nullptr);
   at::Tensor act = at::empty({R, I}, opts);  // silu(gate) * up
   kernels::silu_mul_rows<T>(gu.data_ptr<T>(), n_13, R, I, act.data_ptr<T>());
   at::Tensor out = at::empty({B, T_, C}, opts);  // x_attn + w2(act)
-  kernels::w4a8_rows<T>(4, act.data_ptr<T>(), R, I, w2.data_ptr<uint8_t>(), C, out.data_ptr<T>(),
-                        x_attn.data_ptr<T>());
+  kernels::w4a8_rows<T>(b_2, act.data_ptr<T>(), R, I, w2.data_ptr<uint8_t>(), C,
+                        out.data_ptr<T>(), x_attn.data_ptr<T>());
   return out;
 }
 
@@ -163,6 +171,8 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
 // fp32), residual, h and the bias contiguous; the arguments rope_write and attention check
 // (shapes, slots, mask) as they check them, so that a bad one reaches the op that says what.
 bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
+                 const at::Tensor& wqkv, int64_t n_qkv, const at::Tensor& wo,
+                 const at::Tensor& w13, const at::Tensor& w2,
                  const std::optional<at::Tensor>& bqkv, const std::optional<at::Tensor>& bo,
                  const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
                  const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
@@ -192,6 +202,10 @@ bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tens
   if (cos.numel() != B * T_ * D || sin.numel() != B * T_ * D || slots.numel() != B * T_)
     return false;
   if (num_keys < 0 || num_keys > S) return false;
+  if (kernels::packed_bits(wqkv, h.size(2), n_qkv) == 0 ||
+      kernels::packed_bits(wo, num_heads * D, C) == 0 ||
+      kernels::packed_bits(w13, C, n_13) == 0 || kernels::packed_bits(w2, n_13 / 2, C) == 0)
+    return false;  // the checks say what is wrong
   if (mask.has_value() &&
       (mask->scalar_type() != at::kBool || mask->dim() != 4 || mask->size(0) != B ||
        mask->size(1) != 1 || mask->size(2) != T_ || mask->size(3) != num_keys))
@@ -223,8 +237,8 @@ at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at:
               Hkv, " heads of ", D);
   TORCH_CHECK(h.dim() == 3 && h.size(0) == B && h.size(1) == T, "layer: attention input ",
               h.sizes(), " for a residual of ", residual.sizes());
-  if (native_fits(residual, h, mlp_norm, bqkv, bo, b13, b2, cos, sin, k_cache, v_cache, slots,
-                  num_keys, mask, num_heads, n_13)) {
+  if (native_fits(residual, h, mlp_norm, wqkv, n_qkv, wo, w13, w2, bqkv, bo, b13, b2, cos, sin,
+                  k_cache, v_cache, slots, num_keys, mask, num_heads, n_13)) {
     if (residual.scalar_type() == at::kBFloat16)
       return native_layer<at::BFloat16>(residual, h, mlp_norm, eps, wqkv, bqkv, n_qkv, wo, w13,
                                         n_13, w2, cos, sin, k_cache, v_cache, slots, num_keys,
@@ -319,9 +333,9 @@ bool stack_fits(const at::Tensor& x, const Stack& s, const at::Tensor& cos, cons
     if ((w.scalar_type() != x.scalar_type() && w.scalar_type() != at::kFloat) ||
         !w.is_contiguous() || w.numel() != x.size(2))
       return false;
-    if (!native_fits(x, x, s.mlp_norms[l], s.bqkv.get(l), s.bo.get(l), s.b13.get(l), s.b2.get(l),
-                     cos, sin, k_caches[l], v_caches[l], slots, num_keys, mask, s.num_heads,
-                     s.n_13))
+    if (!native_fits(x, x, s.mlp_norms[l], s.wqkv[l], s.n_qkv, s.wo[l], s.w13[l], s.w2[l],
+                     s.bqkv.get(l), s.bo.get(l), s.b13.get(l), s.b2.get(l), cos, sin, k_caches[l],
+                     v_caches[l], slots, num_keys, mask, s.num_heads, s.n_13))
       return false;
   }
   return true;
@@ -346,11 +360,14 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
   const int64_t n_qkv = s.n_qkv, n_13 = s.n_13, I = n_13 / 2;
   TORCH_CHECK(n_qkv == (H + 2 * Hkv) * D, "layer: qkv outputs ", n_qkv, " for ", H, " + 2 x ",
               Hkv, " heads of ", D);
+  std::vector<std::array<int, 4>> bits(L);  // each matrix 4- or 8-bit (w4a8-mixed)
   for (int64_t l = 0; l < L; ++l) {
-    kernels::w4a8_check(s.wqkv[l], C, n_qkv, 4);
-    kernels::w4a8_check(s.wo[l], H * D, C, 4);
-    kernels::w4a8_check(s.w13[l], C, n_13, 4);
-    kernels::w4a8_check(s.w2[l], I, C, 4);
+    bits[l] = {kernels::packed_bits(s.wqkv[l], C, n_qkv), kernels::packed_bits(s.wo[l], H * D, C),
+               kernels::packed_bits(s.w13[l], C, n_13), kernels::packed_bits(s.w2[l], I, C)};
+    kernels::w4a8_check(s.wqkv[l], C, n_qkv, bits[l][0]);
+    kernels::w4a8_check(s.wo[l], H * D, C, bits[l][1]);
+    kernels::w4a8_check(s.w13[l], C, n_13, bits[l][2]);
+    kernels::w4a8_check(s.w2[l], I, C, bits[l][3]);
   }
   const at::TensorOptions opts = x.options();
   const at::Tensor h = at::empty({R, C}, opts), qkv = at::empty({B, T_, H + 2 * Hkv, D}, opts);
@@ -376,17 +393,17 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
   for (int64_t l = 0; l < L; ++l) {
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     norm_rows<T>(cur.data_ptr<T>(), s.attn_norms[l], h.data_ptr<T>(), R, C, s.eps);
-    kernels::w4a8_rows<T>(4, h.data_ptr<T>(), R, C, s.wqkv[l].data_ptr<uint8_t>(), n_qkv,
-                          qkv.data_ptr<T>(), nullptr);
+    kernels::w4a8_rows<T>(bits[l][0], h.data_ptr<T>(), R, C, s.wqkv[l].data_ptr<uint8_t>(),
+                          n_qkv, qkv.data_ptr<T>(), nullptr);
     const std::optional<at::Tensor> bqkv = s.bqkv.get(l);
     if (bqkv.has_value()) add_bias<T>(qkv.data_ptr<T>(), bqkv->data_ptr<T>(), R, n_qkv);
     kernels::rope_write_rows<T>(qkv, cos, sin, k_cache, v_cache, slots, q);
     kernels::attend_into(qt, k_cache.narrow(2, 0, num_keys), v_cache.narrow(2, 0, num_keys), mask,
                          scale, a);
-    kernels::w4a8_rows<T>(4, a.data_ptr<T>(), R, H * D, s.wo[l].data_ptr<uint8_t>(), C,
+    kernels::w4a8_rows<T>(bits[l][1], a.data_ptr<T>(), R, H * D, s.wo[l].data_ptr<uint8_t>(), C,
                           x_attn.data_ptr<T>(), cur.data_ptr<T>());
     norm_rows<T>(x_attn.data_ptr<T>(), s.mlp_norms[l], h2.data_ptr<T>(), R, C, s.eps);
-    kernels::w4a8_rows<T>(4, h2.data_ptr<T>(), R, C, s.w13[l].data_ptr<uint8_t>(), n_13,
+    kernels::w4a8_rows<T>(bits[l][2], h2.data_ptr<T>(), R, C, s.w13[l].data_ptr<uint8_t>(), n_13,
                           gu.data_ptr<T>(), nullptr);
     kernels::silu_mul_rows<T>(gu.data_ptr<T>(), n_13, R, I, act.data_ptr<T>());
     at::Tensor next;
@@ -396,7 +413,7 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
       next = spare[flip];  // never `cur`: the spares take turns
       flip ^= 1;
     }
-    kernels::w4a8_rows<T>(4, act.data_ptr<T>(), R, I, s.w2[l].data_ptr<uint8_t>(), C,
+    kernels::w4a8_rows<T>(bits[l][3], act.data_ptr<T>(), R, I, s.w2[l].data_ptr<uint8_t>(), C,
                           next.data_ptr<T>(), x_attn.data_ptr<T>());
     cur = next;
     keep(l + 1, cur);

@@ -825,6 +825,13 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N, int bits) {
 
 }  // namespace
 
+int kernels::packed_bits(const at::Tensor& w, int64_t K, int64_t N) {
+  if (K % kGroup != 0 || N <= 0 || w.scalar_type() != at::kByte || w.dim() != 1) return 0;
+  for (const int bits : {4, 8})
+    if (w.numel() == (N + kRows - 1) / kRows * (K / kGroup) * group_bytes(bits)) return bits;
+  return 0;
+}
+
 void kernels::w4a8_check(const at::Tensor& w, int64_t K, int64_t N, int bits) {
   const char* op = bits == 4 ? "w4a8" : "w8a8";
   TORCH_CHECK(w4a8_supported(), op, ": this CPU lacks AVX2 (and AVX-512)");
