@@ -5,7 +5,7 @@ EAGLE-3 draft step, on this machine.
                                      [--sizes 1 2 4 8 16 32 64] [--repeats 15]
                                      [--quant none|int8|int4] [--compile none|block|full]
                                      [--no-attention-kernel] [--head-amx-min-rows 8 16]
-                                     [--avx2-together both] [--direct both|each]
+                                     [--avx2-together both] [--direct both|each|stack]
 
 Speculative decoding pays when verifying T tokens costs little more than decoding one: the speedup
 is bounded by (mean accepted length) x (cost of 1 token) / (cost of a round). Each size runs the
@@ -31,7 +31,9 @@ kernels run their AVX2 path: on an AVX-512 CPU it changes nothing).
 --direct both times every size with the fused layer's kernels called directly and run in one team
 of threads a forward (csrc/layer.cpp's native_layer and csrc/team.h: the default, "on") and
 through the ops, each in a parallel region of its own ("off", the fused layer before session 57),
-round-robin in one process (the same bits); `each` adds the team alone and the direct calls alone.
+round-robin in one process (the same bits); `each` adds the team alone and the direct calls alone;
+`stack` times the decoder's layers in one pass over shared buffers (csrc/layer.cpp's native_stack,
+the default since session 59) against the direct calls layer by layer (`use_native_stack`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def main() -> None:
     ap.add_argument("--no-attention-kernel", action="store_true")
     ap.add_argument("--head-amx-min-rows", type=int, nargs="+", default=[])
     ap.add_argument("--avx2-together", choices=["on", "off", "both"], default="on")
-    ap.add_argument("--direct", choices=["on", "off", "both", "each"], default="on")
+    ap.add_argument("--direct", choices=["on", "off", "both", "each", "stack"], default="on")
     args = ap.parse_args()
     if args.no_attention_kernel:  # before any forward is traced: graphs keep what they saw
         cpu_attention.fits = lambda q, k: False
@@ -115,14 +117,17 @@ def main() -> None:
         # no such op), and put back after
         ops = torch.ops.eaglespec_w4a8
         together = {"on": [True], "off": [False], "both": [True, False]}[args.avx2_together]
-        # (team, direct calls) of the fused layer ops (csrc/layer.cpp's use_team, use_native)
+        # (team, direct calls, one pass) of the fused layer ops (csrc/layer.cpp's use_team,
+        # use_native, use_native_stack)
         direct = {
-            "on": [(True, True)],
-            "off": [(False, False)],
-            "both": [(True, True), (False, False)],
-            "each": [(True, True), (True, False), (False, True), (False, False)],
+            "on": [(True, True, True)],
+            "off": [(False, False, False)],
+            "both": [(True, True, True), (False, False, False)],
+            "each": [(True, True, True), (True, False, False), (False, True, True)]
+            + [(False, False, False)],
+            "stack": [(True, True, True), (True, True, False)],
         }[args.direct]
-        settings: list[tuple[int | None, bool, tuple[bool, bool]]] = [
+        settings: list[tuple[int | None, bool, tuple[bool, bool, bool]]] = [
             (a, t, d)
             for a in (list(args.head_amx_min_rows) or [None])
             for t in together
@@ -130,7 +135,8 @@ def main() -> None:
         ]
         kept = ops.amx_min_rows(8, 16) if args.head_amx_min_rows else None
         layer_ops = torch.ops.eaglespec_layer if args.direct != "on" else None
-        samples: dict[tuple[tuple[int | None, bool, tuple[bool, bool]], int, int], list[float]] = {
+        Setting = tuple[int | None, bool, tuple[bool, bool, bool]]
+        samples: dict[tuple[Setting, int, int], list[float]] = {
             (a, T, i): [] for a in settings for T in steps for i in (0, 1)
         }
         for rep in range(args.repeats + 1):
@@ -142,6 +148,7 @@ def main() -> None:
                 if layer_ops is not None:
                     layer_ops.use_team(a[2][0])
                     layer_ops.use_native(a[2][1])
+                    layer_ops.use_native_stack(a[2][2])
                 for T, fns in steps.items():
                     for i, fn in enumerate(fns):
                         start = time.perf_counter()
@@ -155,6 +162,7 @@ def main() -> None:
         if layer_ops is not None:
             layer_ops.use_team(True)
             layer_ops.use_native(True)
+            layer_ops.use_native_stack(True)
         ms = {key: statistics.median(v) * 1000 for key, v in samples.items()}
         for a in settings:
             if a[0] is not None:
@@ -162,10 +170,11 @@ def main() -> None:
             if args.avx2_together != "on":
                 print(f"\nAVX2 tiles: a weight block's halves {'together' if a[1] else 'apart'}")
             if args.direct != "on":
-                team, native = a[2]
+                team, native, stack = a[2]
                 print(
                     f"\nfused layer: {'one team a forward' if team else 'a region per kernel'}, "
                     f"kernels {'called directly' if native else 'through the ops'}"
+                    + (", the layers in one pass" if native and stack else "")
                 )
             base = ms[(a, args.sizes[0], 0)]
             print("| draft tokens T | target forward ms | x one token | draft head step ms |")
