@@ -111,6 +111,68 @@ void add_bias(T* y, const T* b, int64_t M, int64_t N) {
       y[m * N + n] = static_cast<T>(static_cast<float>(y[m * N + n]) + static_cast<float>(b[n]));
 }
 
+// A matrix's bits (4 or 8, as w4a8-mixed stores it: its packed size tells), after linear's checks
+// of it (a clear error where it is neither).
+int matrix_bits(const at::Tensor& w, int64_t K, int64_t N) {
+  const int bits = kernels::packed_bits(w, K, N);
+  kernels::w4a8_check(w, K, N, bits == 0 ? 4 : bits);
+  return bits;
+}
+
+// y (M, C) = rms_norm(x (M, C)) * w (C), w fp32 or T: the rms_norm op's kernel, called directly.
+template <typename T>
+void norm_rows(const T* x, const at::Tensor& w, T* y, int64_t M, int64_t C, double eps) {
+  if (w.scalar_type() == at::kFloat)
+    kernels::rms_norm_rows<T, float>(x, w.data_ptr<float>(), y, M, C, static_cast<float>(eps));
+  else
+    kernels::rms_norm_rows<T, T>(x, w.data_ptr<T>(), y, M, C, static_cast<float>(eps));
+}
+
+// native_rows' scratch for B x T rows: q/k/v, the rotated queries, attention's output,
+// residual + wo(a), its MLP norm, gate and up, silu(gate) * up.
+struct LayerBuffers {
+  at::Tensor qkv, q, qt, a, x_attn, h2, gu, act;
+  LayerBuffers(int64_t B, int64_t T_, int64_t H, int64_t Hkv, int64_t D, int64_t C, int64_t n_13,
+               const at::TensorOptions& opts)
+      : qkv(at::empty({B, T_, H + 2 * Hkv, D}, opts)),
+        q(at::empty({B, T_, H, D}, opts)),
+        qt(q.transpose(1, 2)),
+        a(at::empty({B, T_, H, D}, opts)),
+        x_attn(at::empty({B, T_, C}, opts)),
+        h2(at::empty({B * T_, C}, opts)),
+        gu(at::empty({B * T_, n_13}, opts)),
+        act(at::empty({B * T_, n_13 / 2}, opts)) {}
+};
+
+// One layer from its attention input on, its kernels called directly (kernels.h): h (R, Cin)
+// the normed input of q/k/v, residual (R, C) what attention's output is added to; the layer's
+// output (R, C) into `out`. Each matrix at its `bits` (matrix_bits).
+template <typename T>
+void native_rows(LayerBuffers& buf, const T* residual, const T* h, int64_t Cin,
+                 const at::Tensor& mlp_norm, double eps, const at::Tensor& wqkv, int b_qkv,
+                 const std::optional<at::Tensor>& bqkv, int64_t n_qkv, const at::Tensor& wo,
+                 int b_o, const at::Tensor& w13, int b_13, int64_t n_13, const at::Tensor& w2,
+                 int b_2, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                 at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
+                 const std::optional<at::Tensor>& mask, T* out) {
+  const int64_t R = buf.x_attn.size(0) * buf.x_attn.size(1), C = buf.x_attn.size(2);
+  const int64_t H = buf.q.size(2), D = buf.q.size(3), I = n_13 / 2;
+  kernels::w4a8_rows<T>(b_qkv, h, R, Cin, wqkv.data_ptr<uint8_t>(), n_qkv, buf.qkv.data_ptr<T>(),
+                        nullptr);
+  if (bqkv.has_value()) add_bias<T>(buf.qkv.data_ptr<T>(), bqkv->data_ptr<T>(), R, n_qkv);
+  kernels::rope_write_rows<T>(buf.qkv, cos, sin, k_cache, v_cache, slots, buf.q);
+  kernels::attend_into(buf.qt, k_cache.narrow(2, 0, num_keys), v_cache.narrow(2, 0, num_keys),
+                       mask, std::pow(double(D), -0.5), buf.a);
+  kernels::w4a8_rows<T>(b_o, buf.a.data_ptr<T>(), R, H * D, wo.data_ptr<uint8_t>(), C,
+                        buf.x_attn.data_ptr<T>(), residual);
+  norm_rows<T>(buf.x_attn.data_ptr<T>(), mlp_norm, buf.h2.data_ptr<T>(), R, C, eps);
+  kernels::w4a8_rows<T>(b_13, buf.h2.data_ptr<T>(), R, C, w13.data_ptr<uint8_t>(), n_13,
+                        buf.gu.data_ptr<T>(), nullptr);
+  kernels::silu_mul_rows<T>(buf.gu.data_ptr<T>(), n_13, R, I, buf.act.data_ptr<T>());
+  kernels::w4a8_rows<T>(b_2, buf.act.data_ptr<T>(), R, I, w2.data_ptr<uint8_t>(), C, out,
+                        buf.x_attn.data_ptr<T>());
+}
+
 // The row type's layer from its attention input on, as layer_from below, its kernels called
 // directly (kernels.h): the same functions on the same rows as through the ops, so the same bits,
 // without an op call, output tensor, view and check for each (about 1.5 ms of a 7.5 ms SmolLM2
@@ -126,43 +188,14 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
                         at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
                         const std::optional<at::Tensor>& mask, int64_t num_heads) {
   const int64_t B = residual.size(0), T_ = residual.size(1), C = residual.size(2);
-  const int64_t Cin = h.size(2), R = B * T_;
-  const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), H = num_heads, I = n_13 / 2;
-  const at::TensorOptions opts = residual.options();
-  // each matrix 4- or 8-bit (w4a8-mixed), its packed size tells
-  const int b_qkv = kernels::packed_bits(wqkv, Cin, n_qkv), b_o = kernels::packed_bits(wo, H * D, C);
-  const int b_13 = kernels::packed_bits(w13, C, n_13), b_2 = kernels::packed_bits(w2, I, C);
-  kernels::w4a8_check(wqkv, Cin, n_qkv, b_qkv);
-  kernels::w4a8_check(wo, H * D, C, b_o);
-  kernels::w4a8_check(w13, C, n_13, b_13);
-  kernels::w4a8_check(w2, I, C, b_2);
-  at::Tensor qkv = at::empty({B, T_, H + 2 * Hkv, D}, opts);
-  kernels::w4a8_rows<T>(b_qkv, h.data_ptr<T>(), R, Cin, wqkv.data_ptr<uint8_t>(), n_qkv,
-                        qkv.data_ptr<T>(), nullptr);
-  if (bqkv.has_value()) add_bias<T>(qkv.data_ptr<T>(), bqkv->data_ptr<T>(), R, n_qkv);
-  at::Tensor q = at::empty({B, T_, H, D}, opts);
-  kernels::rope_write_rows<T>(qkv, cos, sin, k_cache, v_cache, slots, q);
-  at::Tensor a = at::empty({B, T_, H, D}, opts);
-  kernels::attend_into(q.transpose(1, 2), k_cache.narrow(2, 0, num_keys),
-                       v_cache.narrow(2, 0, num_keys), mask, std::pow(double(D), -0.5), a);
-  at::Tensor x_attn = at::empty({B, T_, C}, opts);  // residual + wo(a)
-  kernels::w4a8_rows<T>(b_o, a.data_ptr<T>(), R, H * D, wo.data_ptr<uint8_t>(), C,
-                        x_attn.data_ptr<T>(), residual.data_ptr<T>());
-  at::Tensor h2 = at::empty({R, C}, opts);
-  if (mlp_norm.scalar_type() == at::kFloat)
-    kernels::rms_norm_rows<T, float>(x_attn.data_ptr<T>(), mlp_norm.data_ptr<float>(),
-                                     h2.data_ptr<T>(), R, C, static_cast<float>(eps));
-  else
-    kernels::rms_norm_rows<T, T>(x_attn.data_ptr<T>(), mlp_norm.data_ptr<T>(), h2.data_ptr<T>(),
-                                 R, C, static_cast<float>(eps));
-  at::Tensor gu = at::empty({R, n_13}, opts);
-  kernels::w4a8_rows<T>(b_13, h2.data_ptr<T>(), R, C, w13.data_ptr<uint8_t>(), n_13,
-                        gu.data_ptr<T>(), nullptr);
-  at::Tensor act = at::empty({R, I}, opts);  // silu(gate) * up
-  kernels::silu_mul_rows<T>(gu.data_ptr<T>(), n_13, R, I, act.data_ptr<T>());
-  at::Tensor out = at::empty({B, T_, C}, opts);  // x_attn + w2(act)
-  kernels::w4a8_rows<T>(b_2, act.data_ptr<T>(), R, I, w2.data_ptr<uint8_t>(), C,
-                        out.data_ptr<T>(), x_attn.data_ptr<T>());
+  const int64_t Cin = h.size(2), Hkv = k_cache.size(1), D = k_cache.size(3), H = num_heads;
+  const int b_qkv = matrix_bits(wqkv, Cin, n_qkv), b_o = matrix_bits(wo, H * D, C);
+  const int b_13 = matrix_bits(w13, C, n_13), b_2 = matrix_bits(w2, n_13 / 2, C);
+  LayerBuffers buf(B, T_, H, Hkv, D, C, n_13, residual.options());
+  at::Tensor out = at::empty({B, T_, C}, residual.options());  // x_attn + w2(act)
+  native_rows<T>(buf, residual.data_ptr<T>(), h.data_ptr<T>(), Cin, mlp_norm, eps, wqkv, b_qkv,
+                 bqkv, n_qkv, wo, b_o, w13, b_13, n_13, w2, b_2, cos, sin, k_cache, v_cache, slots,
+                 num_keys, mask, out.data_ptr<T>());
   return out;
 }
 
@@ -311,15 +344,6 @@ namespace {
 // (`use_native_stack`, the default; it also needs `use_native`); layer by layer otherwise.
 std::atomic<bool> stack_wanted{true};
 
-// y (M, C) = rms_norm(x (M, C)) * w (C), w fp32 or T: the rms_norm op's kernel, called directly.
-template <typename T>
-void norm_rows(const T* x, const at::Tensor& w, T* y, int64_t M, int64_t C, double eps) {
-  if (w.scalar_type() == at::kFloat)
-    kernels::rms_norm_rows<T, float>(x, w.data_ptr<float>(), y, M, C, static_cast<float>(eps));
-  else
-    kernels::rms_norm_rows<T, T>(x, w.data_ptr<T>(), y, M, C, static_cast<float>(eps));
-}
-
 // Whether native_stack takes every layer of `s` for the input x (B, T, C): each layer as
 // native_fits takes it (with h = x), and the attention norms' weights too.
 bool stack_fits(const at::Tensor& x, const Stack& s, const at::Tensor& cos, const at::Tensor& sin,
@@ -357,26 +381,17 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
   const int64_t L = static_cast<int64_t>(s.wqkv.size());
   const int64_t B = x.size(0), T_ = x.size(1), C = x.size(2), R = B * T_;
   const int64_t Hkv = k_caches[0].size(1), D = k_caches[0].size(3), H = s.num_heads;
-  const int64_t n_qkv = s.n_qkv, n_13 = s.n_13, I = n_13 / 2;
+  const int64_t n_qkv = s.n_qkv, n_13 = s.n_13;
   TORCH_CHECK(n_qkv == (H + 2 * Hkv) * D, "layer: qkv outputs ", n_qkv, " for ", H, " + 2 x ",
               Hkv, " heads of ", D);
   std::vector<std::array<int, 4>> bits(L);  // each matrix 4- or 8-bit (w4a8-mixed)
-  for (int64_t l = 0; l < L; ++l) {
-    bits[l] = {kernels::packed_bits(s.wqkv[l], C, n_qkv), kernels::packed_bits(s.wo[l], H * D, C),
-               kernels::packed_bits(s.w13[l], C, n_13), kernels::packed_bits(s.w2[l], I, C)};
-    kernels::w4a8_check(s.wqkv[l], C, n_qkv, bits[l][0]);
-    kernels::w4a8_check(s.wo[l], H * D, C, bits[l][1]);
-    kernels::w4a8_check(s.w13[l], C, n_13, bits[l][2]);
-    kernels::w4a8_check(s.w2[l], I, C, bits[l][3]);
-  }
+  for (int64_t l = 0; l < L; ++l)
+    bits[l] = {matrix_bits(s.wqkv[l], C, n_qkv), matrix_bits(s.wo[l], H * D, C),
+               matrix_bits(s.w13[l], C, n_13), matrix_bits(s.w2[l], n_13 / 2, C)};
   const at::TensorOptions opts = x.options();
-  const at::Tensor h = at::empty({R, C}, opts), qkv = at::empty({B, T_, H + 2 * Hkv, D}, opts);
-  at::Tensor q = at::empty({B, T_, H, D}, opts), a = at::empty({B, T_, H, D}, opts);
-  const at::Tensor x_attn = at::empty({B, T_, C}, opts), h2 = at::empty({R, C}, opts);
-  const at::Tensor gu = at::empty({R, n_13}, opts), act = at::empty({R, I}, opts);
+  LayerBuffers buf(B, T_, H, Hkv, D, C, n_13, opts);
+  const at::Tensor h = at::empty({R, C}, opts);
   const at::Tensor spare[2] = {at::empty({B, T_, C}, opts), at::empty({B, T_, C}, opts)};
-  const at::Tensor qt = q.transpose(1, 2);
-  const double scale = std::pow(double(D), -0.5);
   std::vector<at::Tensor> out(1 + capture.size());
   auto captured = [&](int64_t b) {
     for (const int64_t c : capture)
@@ -393,19 +408,6 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
   for (int64_t l = 0; l < L; ++l) {
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     norm_rows<T>(cur.data_ptr<T>(), s.attn_norms[l], h.data_ptr<T>(), R, C, s.eps);
-    kernels::w4a8_rows<T>(bits[l][0], h.data_ptr<T>(), R, C, s.wqkv[l].data_ptr<uint8_t>(),
-                          n_qkv, qkv.data_ptr<T>(), nullptr);
-    const std::optional<at::Tensor> bqkv = s.bqkv.get(l);
-    if (bqkv.has_value()) add_bias<T>(qkv.data_ptr<T>(), bqkv->data_ptr<T>(), R, n_qkv);
-    kernels::rope_write_rows<T>(qkv, cos, sin, k_cache, v_cache, slots, q);
-    kernels::attend_into(qt, k_cache.narrow(2, 0, num_keys), v_cache.narrow(2, 0, num_keys), mask,
-                         scale, a);
-    kernels::w4a8_rows<T>(bits[l][1], a.data_ptr<T>(), R, H * D, s.wo[l].data_ptr<uint8_t>(), C,
-                          x_attn.data_ptr<T>(), cur.data_ptr<T>());
-    norm_rows<T>(x_attn.data_ptr<T>(), s.mlp_norms[l], h2.data_ptr<T>(), R, C, s.eps);
-    kernels::w4a8_rows<T>(bits[l][2], h2.data_ptr<T>(), R, C, s.w13[l].data_ptr<uint8_t>(), n_13,
-                          gu.data_ptr<T>(), nullptr);
-    kernels::silu_mul_rows<T>(gu.data_ptr<T>(), n_13, R, I, act.data_ptr<T>());
     at::Tensor next;
     if (l + 1 == L || captured(l + 1)) {
       next = at::empty({B, T_, C}, opts);  // kept past this forward
@@ -413,8 +415,10 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
       next = spare[flip];  // never `cur`: the spares take turns
       flip ^= 1;
     }
-    kernels::w4a8_rows<T>(bits[l][3], act.data_ptr<T>(), R, I, s.w2[l].data_ptr<uint8_t>(), C,
-                          next.data_ptr<T>(), x_attn.data_ptr<T>());
+    const auto& [b_qkv, b_o, b_13, b_2] = bits[l];
+    native_rows<T>(buf, cur.data_ptr<T>(), h.data_ptr<T>(), C, s.mlp_norms[l], s.eps, s.wqkv[l],
+                   b_qkv, s.bqkv.get(l), n_qkv, s.wo[l], b_o, s.w13[l], b_13, n_13, s.w2[l], b_2,
+                   cos, sin, k_cache, v_cache, slots, num_keys, mask, next.data_ptr<T>());
     cur = next;
     keep(l + 1, cur);
   }

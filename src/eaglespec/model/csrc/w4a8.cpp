@@ -89,6 +89,10 @@ constexpr int64_t kTaskValues = int64_t{1} << 16;   // activations a quantizing 
 // fp16 scales (and fp16 minimums for 4 bits).
 constexpr int64_t code_bytes(int bits) { return kRows * kGroup * bits / 8; }
 constexpr int64_t group_bytes(int bits) { return code_bytes(bits) + kRows * (bits == 4 ? 4 : 2); }
+// Bytes of a packed weight for K inputs and N outputs at `bits`.
+constexpr int64_t packed_bytes(int64_t K, int64_t N, int bits) {
+  return (N + kRows - 1) / kRows * (K / kGroup) * group_bytes(bits);
+}
 
 #define W4A8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
 #define W4A8_AMX_TARGET \
@@ -828,7 +832,7 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t N, int bits) {
 int kernels::packed_bits(const at::Tensor& w, int64_t K, int64_t N) {
   if (K % kGroup != 0 || N <= 0 || w.scalar_type() != at::kByte || w.dim() != 1) return 0;
   for (const int bits : {4, 8})
-    if (w.numel() == (N + kRows - 1) / kRows * (K / kGroup) * group_bytes(bits)) return bits;
+    if (w.numel() == packed_bytes(K, N, bits)) return bits;
   return 0;
 }
 
@@ -838,7 +842,7 @@ void kernels::w4a8_check(const at::Tensor& w, int64_t K, int64_t N, int bits) {
   TORCH_CHECK(w.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(K % kGroup == 0, op, ": K must be a multiple of 32, got ", K);
   TORCH_CHECK(N > 0, op, ": N must be positive, got ", N);
-  const int64_t want = (N + kRows - 1) / kRows * (K / kGroup) * group_bytes(bits);
+  const int64_t want = packed_bytes(K, N, bits);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 1 && w.is_contiguous() &&
                   w.numel() == want,
               op, ": packed weight must be contiguous uint8 of ", want, " bytes for N = ", N,
