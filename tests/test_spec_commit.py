@@ -21,6 +21,8 @@ from eaglespec.tree import graft_on_chain
 from helpers import NullTokenizer, tiny_target
 
 CAPTURE = (1, 3, 4)
+PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4]]
+PARAMS = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
 # Same math in other chunkings (a round's T tokens vs one prefill): fp32 rounding differs slightly.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -47,18 +49,26 @@ def target() -> Transformer:
     return tiny_target(0, vocab=64, hidden=32, max_position=128)
 
 
+def _greedy(target: Transformer) -> list[list[int]]:
+    """PROMPTS' plain greedy tokens under PARAMS."""
+    plain = collect_outputs(generate_stream(target, NullTokenizer(), PROMPTS, PARAMS))
+    return [o.token_ids for o in plain]
+
+
+def _started(target: Transformer, proposer: Eagle3Proposer) -> engine.SpecBatch:
+    """PROMPTS prefilled whole in one forward, the proposer started: the batch the rounds run."""
+    seqs = new_states(PROMPTS, PARAMS, NullTokenizer(), 128, target.device)
+    prefill = Prefill(target, proposer, PROMPTS, PARAMS, seqs, 32, chunk=None, started=0.0)
+    prefill.step()  # the whole prompts in one forward
+    return prefill.finish().batch
+
+
 def test_both_caches_equal_a_fresh_prefill(target: Transformer) -> None:
-    prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
-    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
-    greedy = [o.token_ids for o in plain]
+    prompts, greedy = PROMPTS, _greedy(target)
     head = random_eagle3(target, seed=1)
     right = [3, 1]  # row 0 accepts 3 of 4 drafts, row 1 accepts 1
     proposer = _HalfRightProposer(head, [g[1:] for g in greedy], right)
-    seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
-    prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
-    prefill.step()  # the whole prompts in one forward
-    batch = prefill.finish().batch
+    batch = _started(target, proposer)
     out = speculate_round(target, proposer, batch, num_draft=4, tree=None)
     assert out.accepted == right
     for row, g in enumerate(greedy):
@@ -73,17 +83,11 @@ def test_plain_rounds_then_a_drafting_round_leave_both_caches_as_a_prefill(
     """Rounds that draft nothing (greedy rows, no logprobs) take the plain decoding step, not
     the verification: their tokens are the greedy ones, and the head catch-ups they leave pending
     are fed by the next drafting round, after which both caches again equal a fresh prefill."""
-    prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
-    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
-    greedy = [o.token_ids for o in plain]
+    prompts, greedy = PROMPTS, _greedy(target)
     head = random_eagle3(target, seed=1)
     right = [2, 1]
     proposer = _HalfRightProposer(head, [g[4:] for g in greedy], right)  # after three roots
-    seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
-    prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
-    prefill.step()
-    batch = prefill.finish().batch
+    batch = _started(target, proposer)
     verified: list[int] = []  # one entry per row walked by the (host) greedy verification
     real = engine.verify_greedy_host
     monkeypatch.setattr(engine, "verify_greedy_host", lambda *a: verified.append(1) or real(*a))
@@ -164,16 +168,10 @@ def test_a_tree_round_commits_in_place_or_gathered_as_a_prefill(
     """A chain with a graft branching off is a tree; where every row accepted its first nodes in
     order (the head's drafts precede the graft) the round commits in place as a chain does, else
     each row's path is gathered. Either way both caches equal a fresh prefill."""
-    prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
-    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
-    greedy = [o.token_ids for o in plain]
+    prompts, greedy = PROMPTS, _greedy(target)
     head = random_eagle3(target, seed=1)
     proposer = _GraftingHalfRight(head, [g[1:] for g in greedy], right, graft_right)
-    seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
-    prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
-    prefill.step()
-    batch = prefill.finish().batch
+    batch = _started(target, proposer)
     gathered: list[int] = []
     real = engine._path_nodes
     monkeypatch.setattr(engine, "_path_nodes", lambda *a: gathered.append(1) or real(*a))
@@ -193,16 +191,10 @@ def test_a_round_without_grafts_is_a_plain_step(
     """`graft=False` (the adaptive policy's plain arm beside lookup's candidates alone) keeps a
     grafting proposer's candidates out: a zero-draft round is then the plain decoding step, one
     token a row, nothing verified; with the graft, the same round lands the graft's tokens."""
-    prompts = [[5, 17, 33, 2, 8], [9, 1, 4]]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
-    plain = collect_outputs(generate_stream(target, NullTokenizer(), prompts, params))
-    greedy = [o.token_ids for o in plain]
+    prompts, greedy = PROMPTS, _greedy(target)
     head = random_eagle3(target, seed=1)
     proposer = _GraftingHalfRight(head, [g[1:] for g in greedy], [0, 0], [True, True])
-    seqs = new_states(prompts, params, NullTokenizer(), 128, target.device)
-    prefill = Prefill(target, proposer, prompts, params, seqs, 32, chunk=None, started=0.0)
-    prefill.step()
-    batch = prefill.finish().batch
+    batch = _started(target, proposer)
     verified: list[int] = []
     real = engine.verify_greedy_host
     monkeypatch.setattr(engine, "verify_greedy_host", lambda *a: verified.append(1) or real(*a))
