@@ -149,7 +149,10 @@ def test_the_kernels_called_directly_in_one_team_give_the_ops_bits(
                     ops.use_team(team)
                     ops.use_native(native)
                     ops.use_native_stack(stack)
+                    before = ops.native_layers()
                     runs[team, native, stack] = _wide_run(model)
+                    direct = ops.native_layers() - before  # 4 forwards of 4 layers
+                    assert direct == (16 if native else 0), (team, native, stack)
     finally:
         ops.use_team(True)
         ops.use_native(True)
@@ -332,17 +335,41 @@ def _gemma_target(dtype: torch.dtype) -> Transformer:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("path", ["decoder", "layers", "ops"])
 def test_the_fused_gemma_layer_has_the_python_forwards_bits(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Gemma's SandwichBlock through the `sandwich` op, its sliding layers' masks and RoPE
-    included, against its Python forward: the same logits, states and cache bits."""
+    """Gemma's SandwichBlocks, their sliding layers' masks and RoPE included, against the Python
+    forward: the same logits, states and cache bits. Three ways: the whole forward in one call
+    (`sandwich_decoder`, its layers' kernels called directly over shared buffers), layer by layer
+    through the `sandwich` op with its kernels called directly, and the whole forward in one call
+    with every layer's kernels called as ops (`use_native(False)`). The count of layers run
+    directly says which way ran."""
     model = _gemma_target(dtype)
     args = cpu_layer.block_args(model.layers[0])
     assert args is not None and args.sandwich and args.q_ratio != 1.0
     assert args.matrices[1] == 8 and args.matrices[4] == 4  # wqkv 8-bit, wo 4-bit
-    with torch.inference_mode():
-        _assert_fused_is_python(model, monkeypatch)
+    stack = cpu_layer.stack_args(model)
+    assert stack is not None and stack.sandwich and stack.extra[1] == [True, False, True]
+    ops = torch.ops.eaglespec_layer
+    if path == "layers":
+        monkeypatch.setattr(cpu_layer, "stack_args", lambda *a: None)
+    ops.use_native(path != "ops")
+    decoder = cpu_layer.forward_sandwich_decoder
+    calls: list[int] = []
+    monkeypatch.setattr(
+        cpu_layer, "forward_sandwich_decoder", lambda *a: calls.append(1) or decoder(*a)
+    )
+    before = ops.native_layers()
+    try:
+        with torch.inference_mode():
+            _assert_fused_is_python(model, monkeypatch)
+    finally:
+        ops.use_native(True)
+    forwards = 1 + len(ragged_steps())  # _run's on the fused model
+    assert len(calls) == (0 if path == "layers" else forwards)
+    direct = ops.native_layers() - before
+    assert direct == (0 if path == "ops" else forwards * len(model.layers))
 
 
 @pytest.mark.parametrize("draft", ["random-head", "oracle-noisy"])

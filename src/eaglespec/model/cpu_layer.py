@@ -20,7 +20,11 @@ forward 29.8 -> 20.3 ms, in one process on the AVX2 VM). Gemma 3's
 SandwichBlock has an op of its own (`sandwich`: its four norms, q/k norms and query scale,
 GELU-tanh, each matrix `W4A8Linear` or `W8A8Linear` as w4a8-mixed stored it, no biases); measured
 on gemma3-270m, a decode step 16.8 -> 14.3 ms and plain decoding 60 -> 75-78 tok/s
-(docs/benchmark-history.md, session 21).
+(docs/benchmark-history.md, session 21). Since session 60 its kernels are called directly
+(layer.cpp's sandwich_rows) and a decoder of such layers runs whole in one call
+(`sandwich_decoder`: both RoPE tables, the sliding layers' masks, the final norm and the output
+matrix; StackArgs with `sandwich`): on gemma3-270m, in one process on the AVX2 VM, a one-token
+forward 0.85x the time of the op layer by layer, four tokens 0.84x, plain generation 1.12x.
 
 A decoder of llama Blocks that all take the op (not Gemma's sliding layers) runs whole in one call
 (`stack`: the same op per layer, in C++, so the same bits), its arguments kept on the model
@@ -51,7 +55,7 @@ from __future__ import annotations
 import copy
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
@@ -369,6 +373,15 @@ class StackArgs:
     # the ops' Stack (csrc/layer.cpp) holding norms, matrices and num_heads, built once: passed
     # as lists at every call, their 360-odd tensors cost about 0.2 ms of a SmolLM2 decode step
     layers: object = None
+    # Gemma 3's SandwichBlocks (the `sandwich_decoder` op, its SandwichStack): norms are every
+    # layer's six weights in one list, then eps; matrices wqkv weights, bits, N; wo weights,
+    # bits; w13 ..., N; w2 ...; extra the query scale and which layers slide
+    sandwich: bool = False
+    extra: tuple[object, ...] = ()
+
+    @property
+    def eps(self) -> object:
+        return self.norms[-1]
 
     def current(self) -> bool:
         return self.sources.current()
@@ -383,18 +396,32 @@ class StackArgs:
             self.num_heads,
             self.fused,
             copy.deepcopy(self.sources, memo),
-            None if self.layers is None else _bind(norms, matrices, self.num_heads),
+            None
+            if self.layers is None
+            else _bind(norms, matrices, self.num_heads, self.sandwich, self.extra),
+            self.sandwich,
+            self.extra,
         )
 
 
-def _bind(norms: tuple[object, ...], matrices: tuple[object, ...], num_heads: int) -> object:
-    """The ops' Stack over a decoder's norms and matrices as StackArgs holds them."""
+def _bind(
+    norms: tuple[object, ...],
+    matrices: tuple[object, ...],
+    num_heads: int,
+    sandwich: bool = False,
+    extra: tuple[object, ...] = (),
+) -> object:
+    """The ops' Stack (or SandwichStack) over a decoder's norms and matrices as StackArgs holds
+    them."""
+    if sandwich:
+        return torch.classes.eaglespec_layer.SandwichStack(*norms, *matrices, num_heads, *extra)
     return torch.classes.eaglespec_layer.Stack(*norms, *matrices, num_heads)
 
 
 def stack_args(model: nn.Module) -> StackArgs | None:
-    """The stack op's arguments for `model.layers`, or None where a layer is not a fused llama
-    Block or the layers differ in eps, sizes or head count (the per-layer loop then runs)."""
+    """The stack op's arguments for `model.layers` (the sandwich_decoder op's where every layer
+    is a fused SandwichBlock), or None where a layer is not fused, the layers are of both kinds
+    or differ in eps, sizes, head count or query scale (the per-layer loop then runs)."""
     kept: StackArgs = _kept(model, "stack_args", lambda: _stack_build(model))
     return kept if kept.fused else None
 
@@ -407,6 +434,9 @@ def _stack_build(model: nn.Module) -> StackArgs:
     args = [_layer_args(b) for b in blocks]
     for a in args:
         sources += a.sources.entries()
+    if args and all(a.fused and a.sandwich for a in args):
+        cfg = _read(model, "cfg", sources)
+        return _sandwich_stack(args, cfg.sliding_layers or (False,) * len(args), sources)
     if not args or any(not a.fused or a.sandwich for a in args):
         return StackArgs((), (), 0, False, Checks.of(sources))
     first = args[0]
@@ -424,6 +454,32 @@ def _stack_build(model: nn.Module) -> StackArgs:
         fused=alike,
         sources=Checks.of(sources),
         layers=_bind(norms, matrices, first.num_heads) if alike else None,
+    )
+
+
+def _sandwich_stack(args: list[LayerArgs], sliding: Sequence[bool], sources: Sources) -> StackArgs:
+    """StackArgs over SandwichBlocks' LayerArgs (their norms ([six weights], eps); matrices
+    (wqkv, bits, N, wo, bits, w13, bits, N, w2, bits))."""
+    first = args[0]
+    shared = (first.norms[1], first.matrices[2], first.matrices[7], first.num_heads)
+    alike = all(
+        (a.norms[1], a.matrices[2], a.matrices[7], a.num_heads) == shared
+        and a.q_ratio == first.q_ratio
+        for a in args
+    )
+    cols = [list(c) for c in zip(*(a.matrices for a in args), strict=True)]
+    norms = ([w for a in args for w in a.norms[0]], first.norms[1])  # type: ignore[attr-defined]
+    matrices = tuple(first.matrices[i] if i in (2, 7) else cols[i] for i in range(10))
+    extra = (first.q_ratio, [bool(s) for s in sliding])
+    return StackArgs(
+        norms=norms,
+        matrices=matrices,
+        num_heads=first.num_heads,
+        fused=alike and len(sliding) == len(args),
+        sources=Checks.of(sources),
+        layers=_bind(norms, matrices, first.num_heads, True, extra) if alike else None,
+        sandwich=True,
+        extra=extra,
     )
 
 
@@ -479,7 +535,7 @@ def _logits_build(model: nn.Module, stack: StackArgs) -> LogitsArgs:
     sources: Sources = [(model.__dict__, "stack_args", stack)]
     norm = _read(model, "norm", sources)
     out = _w4a8_matrix(_read(model, "lm_head", sources), sources)
-    fused = out is not None and _read(norm, "eps", sources) == stack.norms[2]
+    fused = out is not None and _read(norm, "eps", sources) == stack.eps
     tail = (_read(norm, "weight", sources), *out) if fused and out is not None else ()
     return LogitsArgs(_read(model, "inv_freq", sources), tail, fused, Checks.of(sources))
 
@@ -520,6 +576,51 @@ def forward_decoder(
         plan.slots,
         plan.num_keys,
         plan.mask,
+        list(capture),
+        norm,
+        logit_index,
+        lm_head,
+        bits,
+        vocab,
+    )
+    return out[0], out[1:]
+
+
+@functools.cache
+def _sandwich_decoder_op() -> Callable[..., list[torch.Tensor]]:
+    """The sandwich_decoder op's C++ entry, past its Python wrapper (as _decoder_op)."""
+    overload = torch.ops.eaglespec_layer.sandwich_decoder.default
+    return getattr(overload, "_op", overload)
+
+
+def forward_sandwich_decoder(
+    stack: StackArgs,
+    tail: LogitsArgs,
+    inv_freq_local: torch.Tensor | None,  # (D/2,) fp32 the sliding layers' RoPE, else None
+    x: torch.Tensor,  # (B, T, C) the embedded, scaled input
+    positions: torch.Tensor,  # (B, T) int64
+    k_layers: list[torch.Tensor],  # L x (B, Hkv, S, D), written
+    v_layers: list[torch.Tensor],
+    plan: CachePlan,
+    local_plan: CachePlan,  # the sliding layers' (cache.sliding_plan): plan's keys, its own mask
+    capture: tuple[int, ...],
+    logit_index: torch.Tensor | None,  # (B, T') or None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Transformer.body of a Gemma 3 decoder from the embedding on in one call: (B, T', V) fp32
+    logits and the state at each captured boundary."""
+    norm, lm_head, bits, vocab = tail.tail
+    out: list[torch.Tensor] = _sandwich_decoder_op()(
+        x,
+        positions,
+        tail.inv_freq,
+        inv_freq_local,
+        stack.layers,
+        k_layers,
+        v_layers,
+        plan.slots,
+        plan.num_keys,
+        plan.mask,
+        local_plan.mask,
         list(capture),
         norm,
         logit_index,

@@ -239,22 +239,28 @@ class Transformer(nn.Module):
         if cfg.embed_scale:  # Gemma: the scale rounded to the dtype first, as transformers does
             x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
         fusable = cpu_layer.step_fits(x, k_layers[0], plan)  # asked once, not per layer
-        stack = cpu_layer.stack_args(self) if fusable and not cfg.sliding_layers else None
+        stack = cpu_layer.stack_args(self) if fusable else None
         tail = cpu_layer.logits_args(self, stack) if stack is not None else None
+        # Sliding-window layers (Gemma 3): their own RoPE and the keys within their window.
+        local_plan = plan
+        if cfg.sliding_layers:
+            assert cfg.sliding_window is not None
+            local_plan = sliding_plan(plan, positions, cfg.sliding_window)
         if stack is not None and tail is not None:  # the rest of the forward in one call
+            if stack.sandwich:
+                return cpu_layer.forward_sandwich_decoder(
+                    stack, tail, self.inv_freq_local, x, positions, list(k_layers),
+                    list(v_layers), plan, local_plan, capture, logit_index,
+                )  # fmt: skip
             return cpu_layer.forward_decoder(
                 stack, tail, x, positions, list(k_layers), list(v_layers), plan, capture,
                 logit_index,
             )  # fmt: skip
         rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
-        # Sliding-window layers (Gemma 3): their own RoPE and the keys within their window.
-        local_rope, local_plan = rope, plan
-        if cfg.sliding_layers:
-            assert cfg.sliding_window is not None
-            if self.inv_freq_local is not None:
-                local_rope = rope_cos_sin(positions, self.inv_freq_local, self.dtype)
-            local_plan = sliding_plan(plan, positions, cfg.sliding_window)
-        if stack is not None:  # every layer's fused op in one call
+        local_rope = rope
+        if cfg.sliding_layers and self.inv_freq_local is not None:
+            local_rope = rope_cos_sin(positions, self.inv_freq_local, self.dtype)
+        if stack is not None and not stack.sandwich:  # every layer's fused op in one call
             x, captured = cpu_layer.forward_stack(
                 stack, x, rope, list(k_layers), list(v_layers), plan, capture
             )

@@ -11,8 +11,9 @@
 // about 50 us a layer. A layer without biases, or with Qwen2's q/k/v bias alone, calls the
 // kernels directly (native_layer, through kernels.h: the same functions, without an op, output
 // tensor and view each; a decoder whose layers all do so runs them in one pass over buffers made
-// once a forward, native_stack); others call them through the dispatcher. Every op runs a forward
-// of few rows in one team of threads (team.h, Teamed below).
+// once a forward, native_stack); others call them through the dispatcher. Gemma 3's sandwich
+// layers likewise (sandwich_rows; a whole decoder of them: sandwich_decoder). Every op runs a
+// forward of few rows in one team of threads (team.h, Teamed below).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -102,6 +103,10 @@ at::Tensor project_add(const at::Tensor& x2, const at::Tensor& w,
 // Whether layer_from runs its kernels directly (native_layer) where it can, from now on
 // (`use_native`, the default); the ops' way otherwise. The same bits either way.
 std::atomic<bool> native_wanted{true};
+
+// Layers run with their kernels called directly since the process began (`native_layers`): what
+// tests read to know that the direct path, not the ops', gave the bits they compare.
+std::atomic<int64_t> native_count{0};
 
 // y (M, N) += b (N) as ATen adds two tensors of T: in fp32, rounded once to T.
 template <typename T>
@@ -193,6 +198,7 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
   const int b_13 = matrix_bits(w13, C, n_13), b_2 = matrix_bits(w2, n_13 / 2, C);
   LayerBuffers buf(B, T_, H, Hkv, D, C, n_13, residual.options());
   at::Tensor out = at::empty({B, T_, C}, residual.options());  // x_attn + w2(act)
+  native_count.fetch_add(1, std::memory_order_relaxed);
   native_rows<T>(buf, residual.data_ptr<T>(), h.data_ptr<T>(), Cin, mlp_norm, eps, wqkv, b_qkv,
                  bqkv, n_qkv, wo, b_o, w13, b_13, n_13, w2, b_2, cos, sin, k_cache, v_cache, slots,
                  num_keys, mask, out.data_ptr<T>());
@@ -416,6 +422,7 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
       flip ^= 1;
     }
     const auto& [b_qkv, b_o, b_13, b_2] = bits[l];
+    native_count.fetch_add(1, std::memory_order_relaxed);
     native_rows<T>(buf, cur.data_ptr<T>(), h.data_ptr<T>(), C, s.mlp_norms[l], s.eps, s.wqkv[l],
                    b_qkv, s.bqkv.get(l), n_qkv, s.wo[l], b_o, s.w13[l], b_13, n_13, s.w2[l], b_2,
                    cos, sin, k_cache, v_cache, slots, num_keys, mask, next.data_ptr<T>());
@@ -561,6 +568,103 @@ std::vector<at::Tensor> decoder_forward(
   return out;
 }
 
+namespace {
+
+// y (n) = a (n) + b (n) as ATen adds two tensors of T: in fp32, rounded once to T.
+template <typename T>
+void add_rows(const T* a, const T* b, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
+// sandwich_rows' scratch for B x T rows beyond LayerBuffers': the attention norm's output (and
+// later a matrix's, before its norm), and GELU-tanh of the gate.
+struct SandwichBuffers {
+  LayerBuffers layer;
+  at::Tensor h, gelu;
+  SandwichBuffers(int64_t B, int64_t T_, int64_t H, int64_t Hkv, int64_t D, int64_t C,
+                  int64_t n_13, const at::TensorOptions& opts)
+      : layer(B, T_, H, Hkv, D, C, n_13, opts),
+        h(at::empty({B * T_, C}, opts)),
+        gelu(at::empty({B * T_, n_13 / 2}, opts)) {}
+};
+
+// Gemma 3's layer (sandwich_forward's ops, in its order) with its kernels called directly
+// (kernels.h) into `buf`: x (R, C) -> out (R, C). The norms normalise in place where the op's
+// made a new tensor (each row is read whole before it is written); q_ratio multiplies the
+// normed queries as ATen multiplies a tensor of T by a float (in fp32, rounded once); GELU-tanh
+// and its product with the up half are ATen's own ops, on the same views as the op's.
+template <typename T>
+void sandwich_rows(SandwichBuffers& sb, const T* x, at::TensorList norms, double eps,
+                   const at::Tensor& wqkv, int b_qkv, int64_t n_qkv, const at::Tensor& wo, int b_o,
+                   const at::Tensor& w13, int b_13, int64_t n_13, const at::Tensor& w2, int b_2,
+                   const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
+                   const std::optional<at::Tensor>& mask, double q_ratio, T* out) {
+  LayerBuffers& buf = sb.layer;
+  const int64_t R = buf.x_attn.size(0) * buf.x_attn.size(1), C = buf.x_attn.size(2);
+  const int64_t H = buf.q.size(2), D = buf.q.size(3), Hkv = k_cache.size(1), I = n_13 / 2;
+  native_count.fetch_add(1, std::memory_order_relaxed);
+  T* h = sb.h.data_ptr<T>();
+  T* qkv = buf.qkv.data_ptr<T>();
+  T* x1 = buf.x_attn.data_ptr<T>();
+  T* h2 = buf.h2.data_ptr<T>();
+  norm_rows<T>(x, norms[0], h, R, C, eps);
+  kernels::w4a8_rows<T>(b_qkv, h, R, C, wqkv.data_ptr<uint8_t>(), n_qkv, qkv, nullptr);
+  const float ratio = static_cast<float>(q_ratio);
+  for (int64_t r = 0; r < R; ++r) {  // each token's query heads, then its key heads
+    T* q = qkv + r * n_qkv;
+    norm_rows<T>(q, norms[1], q, H, D, eps);
+    if (q_ratio != 1.0)
+      for (int64_t i = 0; i < H * D; ++i) q[i] = static_cast<T>(static_cast<float>(q[i]) * ratio);
+    norm_rows<T>(q + H * D, norms[2], q + H * D, Hkv, D, eps);
+  }
+  kernels::rope_write_rows<T>(buf.qkv, cos, sin, k_cache, v_cache, slots, buf.q);
+  kernels::attend_into(buf.qt, k_cache.narrow(2, 0, num_keys), v_cache.narrow(2, 0, num_keys),
+                       mask, std::pow(double(D), -0.5), buf.a);
+  kernels::w4a8_rows<T>(b_o, buf.a.data_ptr<T>(), R, H * D, wo.data_ptr<uint8_t>(), C, h,
+                        nullptr);
+  norm_rows<T>(h, norms[3], h, R, C, eps);
+  add_rows<T>(x, h, x1, R * C);
+  norm_rows<T>(x1, norms[4], h2, R, C, eps);
+  kernels::w4a8_rows<T>(b_13, h2, R, C, w13.data_ptr<uint8_t>(), n_13, buf.gu.data_ptr<T>(),
+                        nullptr);
+  at::gelu_out(sb.gelu, buf.gu.narrow(1, 0, I), "tanh");
+  at::mul_out(buf.act, sb.gelu, buf.gu.narrow(1, I, I));
+  kernels::w4a8_rows<T>(b_2, buf.act.data_ptr<T>(), R, I, w2.data_ptr<uint8_t>(), C, h, nullptr);
+  norm_rows<T>(h, norms[5], h, R, C, eps);
+  add_rows<T>(x1, h, out, R * C);
+}
+
+// Whether sandwich_rows takes this layer: what native_fits asks of a layer without biases (with
+// the MLP's norm for its norm), every norm's weight in x's dtype or fp32, contiguous and of its
+// size (C, or D for the q and k norms), and each matrix stored at the bits it is given as.
+bool sandwich_fits(const at::Tensor& x, at::TensorList norms, const at::Tensor& wqkv,
+                   int64_t bits_qkv, int64_t n_qkv, const at::Tensor& wo, int64_t bits_o,
+                   const at::Tensor& w13, int64_t bits_13, int64_t n_13, const at::Tensor& w2,
+                   int64_t bits_2, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                   int64_t num_keys, const std::optional<at::Tensor>& mask, int64_t num_heads) {
+  if (norms.size() != 6) return false;
+  const std::optional<at::Tensor> none;
+  if (!native_fits(x, x, norms[4], wqkv, n_qkv, wo, w13, w2, none, none, none, none, cos, sin,
+                   k_cache, v_cache, slots, num_keys, mask, num_heads, n_13))
+    return false;
+  const int64_t C = x.size(2), D = k_cache.size(3);
+  for (size_t i = 0; i < norms.size(); ++i) {
+    const at::Tensor& w = norms[i];
+    if ((w.scalar_type() != x.scalar_type() && w.scalar_type() != at::kFloat) ||
+        !w.is_contiguous() || w.numel() != (i == 1 || i == 2 ? D : C))
+      return false;
+  }
+  return kernels::packed_bits(wqkv, C, n_qkv) == bits_qkv &&
+         kernels::packed_bits(wo, num_heads * D, C) == bits_o &&
+         kernels::packed_bits(w13, C, n_13) == bits_13 &&
+         kernels::packed_bits(w2, n_13 / 2, C) == bits_2;
+}
+
+}  // namespace
+
 // Gemma 3's layer (llama.py's SandwichBlock with its Attention and GELU-tanh GatedMLP), each
 // matrix 4-bit (bits 4: linear) or 8-bit (bits 8: linear8) as w4a8-mixed stored it, no biases.
 // norms: attn, q, k, post-attention, mlp (pre-feedforward), post-mlp weights.
@@ -581,6 +685,21 @@ at::Tensor sandwich_forward(const at::Tensor& x, at::TensorList norms, double ep
   TORCH_CHECK(norms.size() == 6, "sandwich layer: 6 norms, got ", norms.size());
   TORCH_CHECK(n_qkv == (H + 2 * Hkv) * D, "sandwich layer: qkv outputs ", n_qkv, " for ", H,
               " + 2 x ", Hkv, " heads of ", D);
+  if (sandwich_fits(x, norms, wqkv, bits_qkv, n_qkv, wo, bits_o, w13, bits_13, n_13, w2, bits_2,
+                    cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads)) {
+    SandwichBuffers buf(B, T, H, Hkv, D, C, n_13, x.options());
+    at::Tensor out = at::empty({B, T, C}, x.options());
+    const int b[4] = {int(bits_qkv), int(bits_o), int(bits_13), int(bits_2)};
+    if (x.scalar_type() == at::kBFloat16)
+      sandwich_rows<at::BFloat16>(buf, x.data_ptr<at::BFloat16>(), norms, eps, wqkv, b[0], n_qkv,
+                                  wo, b[1], w13, b[2], n_13, w2, b[3], cos, sin, k_cache, v_cache,
+                                  slots, num_keys, mask, q_ratio, out.data_ptr<at::BFloat16>());
+    else
+      sandwich_rows<float>(buf, x.data_ptr<float>(), norms, eps, wqkv, b[0], n_qkv, wo, b[1], w13,
+                           b[2], n_13, w2, b[3], cos, sin, k_cache, v_cache, slots, num_keys,
+                           mask, q_ratio, out.data_ptr<float>());
+    return out;
+  }
   auto linear = [](const at::Tensor& x2, const at::Tensor& w, int64_t bits, int64_t N) {
     return project_bits(x2, w, bits, N, "sandwich layer");
   };
@@ -603,6 +722,155 @@ at::Tensor sandwich_forward(const at::Tensor& x, at::TensorList norms, double ep
   const at::Tensor act = at::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I);
   const at::Tensor d = linear(act, w2, bits_2, C);
   return x1 + o.rms_norm.call(d.view({B, T, C}), norms[5], eps);
+}
+
+// Gemma 3's decoder (every layer a SandwichBlock that the `sandwich` op takes), held by the
+// model's Python side (cpu_layer.StackArgs) and passed to sandwich_decoder as one object: each
+// layer's six norms (sandwich_forward's order), matrices with their bits, whether it slides
+// (its own RoPE and mask), and what the layers share.
+struct SandwichStack : torch::CustomClassHolder {
+  std::vector<std::vector<at::Tensor>> norms;  // per layer: attn, q, k, post-attn, mlp, post-mlp
+  std::vector<at::Tensor> wqkv, wo, w13, w2;
+  std::vector<int64_t> bits_qkv, bits_o, bits_13, bits_2;
+  std::vector<bool> sliding;
+  double eps, q_ratio;
+  int64_t n_qkv, n_13, num_heads;
+
+  SandwichStack(std::vector<at::Tensor> flat_norms, double eps, std::vector<at::Tensor> wqkv,
+                std::vector<int64_t> bits_qkv, int64_t n_qkv, std::vector<at::Tensor> wo,
+                std::vector<int64_t> bits_o, std::vector<at::Tensor> w13,
+                std::vector<int64_t> bits_13, int64_t n_13, std::vector<at::Tensor> w2,
+                std::vector<int64_t> bits_2, int64_t num_heads, double q_ratio,
+                const c10::List<bool>& sliding)
+      : wqkv(std::move(wqkv)), wo(std::move(wo)), w13(std::move(w13)), w2(std::move(w2)),
+        bits_qkv(std::move(bits_qkv)), bits_o(std::move(bits_o)), bits_13(std::move(bits_13)),
+        bits_2(std::move(bits_2)), sliding(sliding.begin(), sliding.end()), eps(eps),
+        q_ratio(q_ratio),
+        n_qkv(n_qkv), n_13(n_13), num_heads(num_heads) {
+    const size_t L = this->wqkv.size();
+    TORCH_CHECK(flat_norms.size() == 6 * L, "sandwich stack: 6 norms a layer for ", L,
+                " layers, got ", flat_norms.size());
+    for (const size_t n : {this->wo.size(), this->w13.size(), this->w2.size(),
+                           this->bits_qkv.size(), this->bits_o.size(), this->bits_13.size(),
+                           this->bits_2.size(), this->sliding.size()})
+      TORCH_CHECK(n == L, "sandwich stack: ", L, " layers, but a list of ", n);
+    for (size_t l = 0; l < L; ++l)
+      norms.emplace_back(flat_norms.begin() + 6 * l, flat_norms.begin() + 6 * (l + 1));
+  }
+};
+
+namespace {
+
+// A Gemma 3 decoder's layers from x (B, T, C) on: each layer sandwich_forward's, with the
+// sliding layers' RoPE and mask (lcos, lsin, local_mask) and the others' (cos, sin, mask).
+// A layer that sandwich_fits runs sandwich_rows over buffers made once a forward and shared by
+// the layers (its output into one of two spares by turns, or a tensor of its own where it is
+// captured or the last), others the op's way; returns the output, then the captured states in
+// capture's order (as stack_forward).
+std::vector<at::Tensor> sandwich_stack(const at::Tensor& x, const SandwichStack& s,
+                                       const at::Tensor& cos, const at::Tensor& sin,
+                                       const at::Tensor& lcos, const at::Tensor& lsin,
+                                       at::TensorList k_caches, at::TensorList v_caches,
+                                       const at::Tensor& slots, int64_t num_keys,
+                                       const std::optional<at::Tensor>& mask,
+                                       const std::optional<at::Tensor>& local_mask,
+                                       at::IntArrayRef capture) {
+  const int64_t L = static_cast<int64_t>(s.wqkv.size());
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L &&
+                  static_cast<int64_t>(v_caches.size()) == L,
+              "sandwich stack: ", L, " layers, but ", k_caches.size(), " and ", v_caches.size(),
+              " caches");
+  for (const int64_t b : capture)
+    TORCH_CHECK(0 <= b && b <= L, "sandwich stack: capture boundary ", b, " outside [0, ", L,
+                "]");
+  const int64_t B = x.size(0), T_ = x.size(1), C = x.size(2), H = s.num_heads;
+  std::vector<at::Tensor> out(1 + capture.size());
+  auto captured = [&](int64_t b) {
+    for (const int64_t c : capture)
+      if (c == b) return true;
+    return false;
+  };
+  auto keep = [&](int64_t b, const at::Tensor& state) {
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == b) out[1 + c] = state;
+  };
+  const bool native = x.is_contiguous() && native_wanted.load(std::memory_order_relaxed) &&
+                      L > 0 && stack_wanted.load(std::memory_order_relaxed);
+  std::optional<SandwichBuffers> buf;
+  std::array<at::Tensor, 2> spare;
+  int flip = 0;
+  at::Tensor cur = x;
+  keep(0, cur);
+  for (int64_t l = 0; l < L; ++l) {
+    const bool slides = s.sliding[l];
+    const at::Tensor& c = slides ? lcos : cos;
+    const at::Tensor& sn = slides ? lsin : sin;
+    const std::optional<at::Tensor>& m = slides ? local_mask : mask;
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    if (!native ||
+        !sandwich_fits(cur, s.norms[l], s.wqkv[l], s.bits_qkv[l], s.n_qkv, s.wo[l], s.bits_o[l],
+                       s.w13[l], s.bits_13[l], s.n_13, s.w2[l], s.bits_2[l], c, sn, k_cache,
+                       v_cache, slots, num_keys, m, H)) {
+      cur = sandwich_forward(cur, s.norms[l], s.eps, s.wqkv[l], s.bits_qkv[l], s.n_qkv, s.wo[l],
+                             s.bits_o[l], s.w13[l], s.bits_13[l], s.n_13, s.w2[l], s.bits_2[l],
+                             c, sn, k_cache, v_cache, slots, num_keys, m, H, s.q_ratio);
+      keep(l + 1, cur);
+      continue;
+    }
+    if (!buf.has_value()) {
+      const int64_t Hkv = k_cache.size(1), D = k_cache.size(3);
+      buf.emplace(B, T_, H, Hkv, D, C, s.n_13, x.options());
+      spare = {at::empty({B, T_, C}, x.options()), at::empty({B, T_, C}, x.options())};
+    }
+    at::Tensor next;
+    if (l + 1 == L || captured(l + 1)) {
+      next = at::empty({B, T_, C}, x.options());  // kept past this forward
+    } else {
+      next = spare[flip];  // never `cur`: the spares take turns, other outputs are fresh
+      flip ^= 1;
+    }
+    const int b[4] = {int(s.bits_qkv[l]), int(s.bits_o[l]), int(s.bits_13[l]),
+                      int(s.bits_2[l])};
+    if (x.scalar_type() == at::kBFloat16)
+      sandwich_rows<at::BFloat16>(*buf, cur.data_ptr<at::BFloat16>(), s.norms[l], s.eps,
+                                  s.wqkv[l], b[0], s.n_qkv, s.wo[l], b[1], s.w13[l], b[2], s.n_13,
+                                  s.w2[l], b[3], c, sn, k_cache, v_cache, slots, num_keys, m,
+                                  s.q_ratio, next.data_ptr<at::BFloat16>());
+    else
+      sandwich_rows<float>(*buf, cur.data_ptr<float>(), s.norms[l], s.eps, s.wqkv[l], b[0],
+                           s.n_qkv, s.wo[l], b[1], s.w13[l], b[2], s.n_13, s.w2[l], b[3], c, sn,
+                           k_cache, v_cache, slots, num_keys, m, s.q_ratio,
+                           next.data_ptr<float>());
+    cur = next;
+    keep(l + 1, cur);
+  }
+  out[0] = cur;
+  return out;
+}
+
+}  // namespace
+
+// A whole forward of a Gemma 3 decoder from its embedded (and scaled) input x (B, T, C) on
+// (llama.py's Transformer.body on that path): RoPE from positions with inv_freq, and with
+// inv_freq_local for the sliding layers (inv_freq where None); sandwich_stack with the plan's
+// mask and the sliding layers' own (local_mask); then logits_of with the final norm. Returns the
+// fp32 logits (B, T', V), then the captured states in capture's order.
+std::vector<at::Tensor> sandwich_decoder_forward(
+    const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
+    const std::optional<at::Tensor>& inv_freq_local, const c10::intrusive_ptr<SandwichStack>& layers,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots, int64_t num_keys,
+    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& local_mask,
+    at::IntArrayRef capture, const at::Tensor& norm, const std::optional<at::Tensor>& logit_index,
+    const at::Tensor& lm_head, int64_t lm_bits, int64_t vocab) {
+  const std::vector<at::Tensor> rope = rope_cos_sin(positions, inv_freq, x.scalar_type());
+  const std::vector<at::Tensor> local =
+      inv_freq_local.has_value() ? rope_cos_sin(positions, *inv_freq_local, x.scalar_type())
+                                 : rope;
+  std::vector<at::Tensor> out =
+      sandwich_stack(x, *layers, rope[0], rope[1], local[0], local[1], k_caches, v_caches, slots,
+                     num_keys, mask, local_mask, capture);
+  out[0] = logits_of(out[0], logit_index, norm, layers->eps, lm_head, lm_bits, vocab);
+  return out;
 }
 
 // An op run in one team of threads (team.h) where its first argument, the layer's input or ids
@@ -665,6 +933,18 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "Tensor wo, int bits_o, Tensor w13, int bits_13, int n_13, Tensor w2, int bits_2, "
       "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
       "int num_keys, Tensor? mask, int num_heads, float q_ratio) -> Tensor");
+  m.class_<SandwichStack>("SandwichStack")
+      .def(torch::init<std::vector<at::Tensor>, double, std::vector<at::Tensor>,
+                       std::vector<int64_t>, int64_t, std::vector<at::Tensor>,
+                       std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>,
+                       int64_t, std::vector<at::Tensor>, std::vector<int64_t>, int64_t, double,
+                       c10::List<bool>>());
+  m.def(
+      "sandwich_decoder(Tensor x, Tensor positions, Tensor inv_freq, Tensor? inv_freq_local, "
+      "__torch__.torch.classes.eaglespec_layer.SandwichStack layers, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor slots, int num_keys, Tensor? mask, Tensor? local_mask, "
+      "int[] capture, Tensor norm, Tensor? logit_index, Tensor lm_head, int lm_bits, "
+      "int vocab) -> Tensor[]");
   m.def(
       "head(Tensor ids, Tensor[] states, Tensor? fc, int fc_bits, Tensor positions, Tensor inv_freq, Tensor embed, "
       "Tensor input_norm, Tensor hidden_norm, Tensor mlp_norm, Tensor? final_norm, float eps, "
@@ -681,6 +961,7 @@ TORCH_LIBRARY(eaglespec_layer, m) {
   m.def("use_team(bool enable) -> bool");
   m.def("use_native(bool enable) -> bool");
   m.def("use_native_stack(bool enable) -> bool");
+  m.def("native_layers() -> int");
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
@@ -690,6 +971,7 @@ TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
   m.impl("sandwich", &Teamed<&sandwich_forward>::call);
   m.impl("head", &Teamed<&head_forward>::call);
   m.impl("decoder", &Teamed<&decoder_forward>::call);
+  m.impl("sandwich_decoder", &Teamed<&sandwich_decoder_forward>::call);
 }
 
 TORCH_LIBRARY_IMPL(eaglespec_layer, CompositeExplicitAutograd, m) {
@@ -699,6 +981,7 @@ TORCH_LIBRARY_IMPL(eaglespec_layer, CompositeExplicitAutograd, m) {
     native_wanted.store(enable, std::memory_order_relaxed);
     return enable;
   });
+  m.impl("native_layers", []() { return native_count.load(std::memory_order_relaxed); });
   m.impl("use_native_stack", [](bool enable) {
     stack_wanted.store(enable, std::memory_order_relaxed);
     return enable;
