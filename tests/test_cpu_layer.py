@@ -251,11 +251,12 @@ def test_the_stack_reads_layers_replaced_after_a_forward(monkeypatch: pytest.Mon
         assert cpu_layer.stack_args(model).matrices[1][1] is donor.layers[1].attn.wqkv.bias
         _assert_fused_is_python(model, monkeypatch)
         monkeypatch.undo()
-        model.layers[2].attn.q_norm = torch.nn.Identity()  # type: ignore[assignment]
+        attn = model.layers[2].attn  # q/k norms of a kind the op does not take
+        attn.q_norm, attn.k_norm = torch.nn.Identity(), torch.nn.Identity()  # type: ignore[assignment]
         assert cpu_layer.stack_args(model) is None  # layers 0 and 1 still fused, one by one
         _assert_fused_is_python(model, monkeypatch)
         monkeypatch.undo()
-        model.layers[2].attn.q_norm = None  # the op takes every layer again: stacked again
+        attn.q_norm = attn.k_norm = None  # the op takes every layer again: stacked again
         assert cpu_layer.stack_args(model) is not None
 
 
@@ -372,6 +373,51 @@ def test_the_fused_gemma_layer_has_the_python_forwards_bits(
     assert direct == (0 if path == "ops" else forwards * len(model.layers))
 
 
+def _qwen3_target(dtype: torch.dtype, mixed: bool) -> Transformer:
+    """A tiny Qwen3 (q/k norms on every layer, no biases) in w4a8, or w4a8-mixed with some
+    matrices 8-bit."""
+    torch.manual_seed(6)
+    cfg = dataclasses.replace(tiny_target(3, vocab=V, hidden=128, layers=3).cfg, qk_norm=True)
+    model = Transformer(dataclasses.replace(cfg, family="qwen3")).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    if mixed:
+        return quantize_model(model.to(dtype), "w4a8-mixed", MIXED_WIDE)
+    return quantize_model(model.to(dtype), "w4a8")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("path", ["decoder", "layers", "ops"])
+def test_the_fused_qwen3_layer_has_the_python_forwards_bits(
+    dtype: torch.dtype, mixed: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3's layers (each head's queries and keys normed before RoPE) against the Python
+    forward: the same logits, states and cache bits, the whole forward in one call (`decoder`,
+    its layers' kernels called directly), layer by layer with the kernels called directly, and
+    in one call with every kernel called as an op; the count of layers run directly says which
+    way ran."""
+    model = _qwen3_target(dtype, mixed)
+    args = cpu_layer.block_args(model.layers[0])
+    assert args is not None and args.qk_norms[0] is model.layers[0].attn.q_norm.weight
+    stack = cpu_layer.stack_args(model)
+    assert stack is not None and stack.extra[1][2] is model.layers[2].attn.k_norm.weight
+    ops = torch.ops.eaglespec_layer
+    if path == "layers":
+        monkeypatch.setattr(cpu_layer, "stack_args", lambda *a: None)
+    ops.use_native(path != "ops")
+    before = ops.native_layers()
+    try:
+        with torch.inference_mode():
+            _assert_fused_is_python(model, monkeypatch)
+    finally:
+        ops.use_native(True)
+    forwards = 1 + len(ragged_steps())  # _run's on the fused model
+    direct = ops.native_layers() - before
+    assert direct == (0 if path == "ops" else forwards * len(model.layers))
+
+
 @pytest.mark.parametrize("draft", ["random-head", "oracle-noisy"])
 def test_speculation_over_the_fused_layer_is_lossless(draft: str) -> None:
     """A random head (drafts rejected) and an oracle that drafts the plain continuation with
@@ -395,7 +441,8 @@ def test_speculation_over_the_fused_layer_is_lossless(draft: str) -> None:
 
 
 def test_the_fused_layer_steps_aside() -> None:
-    """Gradients wanted, a q/k norm (Qwen3), or matrices of another kind: the Python forward."""
+    """Gradients wanted, q/k norms of a kind the op does not take, or matrices of another kind: the
+    Python forward."""
     model = _target(torch.float32)
     block, cache = model.layers[0], model.new_cache(1, 4)
     plan, x = cache.plan(1), torch.zeros(1, 1, 128)
@@ -404,6 +451,7 @@ def test_the_fused_layer_steps_aside() -> None:
     plain = tiny_target(3, vocab=V, hidden=128, layers=1)
     assert not cpu_layer.fits(plain.layers[0], torch.zeros(1, 1, 128), cache.k_layers[0], plan)
     block.attn.q_norm = torch.nn.Identity()  # type: ignore[assignment]
+    block.attn.k_norm = torch.nn.Identity()  # type: ignore[assignment]
     assert not cpu_layer.fits(block, torch.zeros(1, 1, 128), cache.k_layers[0], plan)
 
 

@@ -12,7 +12,9 @@ Python forward's (tests/test_cpu_layer.py); only the Python goes. Measured (Smol
 
 Taken where every piece would be taken anyway: eager (compiled forwards are one graph already), no
 gradients, fp32 or bf16, any number of new tokens onto a cache (a CPU prefill carries its causal
-mask: cache.KVCache.plan), no q/k norm (Qwen3 keeps the Python forward), the four matrices
+mask: cache.KVCache.plan), q/k norms (Qwen3's) or none (since session 60; before, Qwen3 kept
+the Python forward: a Qwen3-0.6B-shaped model with random weights, w4a8, its one-token forward
+26.9 -> 17.8 ms in one process on the AVX2 VM), the four matrices
 `W4A8Linear` or `W8A8Linear` (w4a8-mixed keeps a GGUF's 6- and 8-bit matrices at 8 bits; the op
 tells them by their packed size: since session 59, before which a layer with one of them ran the
 Python forward, as Qwen2.5-Coder-0.5B's Q4_K_M, mostly 8-bit, did in every layer: its one-token
@@ -66,7 +68,7 @@ from torch import nn
 from eaglespec.cache import CachePlan
 from eaglespec.model import cpu_attention, cpu_rowops, w4a8
 from eaglespec.model.extension import build
-from eaglespec.model.layers import kernel_takes
+from eaglespec.model.layers import RMSNorm, kernel_takes
 
 if TYPE_CHECKING:
     from eaglespec.model.llama import Block, SandwichBlock
@@ -116,6 +118,8 @@ class LayerArgs:
     # matrices (weight, bits, N) with bits 4 or 8; q_ratio its query scale over D ** -0.5
     sandwich: bool = False
     q_ratio: float = 1.0
+    # a llama Block's q_norm and k_norm weights (Qwen3), (None, None) without
+    qk_norms: tuple[object, object] = (None, None)
 
     def current(self) -> bool:
         return self.sources.current()
@@ -338,10 +342,20 @@ def _target_args(block: Block) -> LayerArgs:
         eps = _read(attn_norm, "eps", sources)
         norms = (_read(attn_norm, "weight", sources), _read(mlp_norm, "weight", sources), eps)
         matrices, heads, fused = _matrices(attn, mlp, sources)
-        # the op takes one eps for both norms
-        fused = fused and _read(attn, "q_norm", sources) is None
+        # the op takes one eps for every norm, and q/k norms (Qwen3's) without a query scale
         fused = fused and _read(mlp_norm, "eps", sources) == eps
-        return LayerArgs(norms, matrices, heads, fused, Checks.of(sources))
+        # Attention.forward norms q and k (then scales q) only where both norms are there
+        q_norm = _read(attn, "q_norm", sources)
+        k_norm = None if q_norm is None else _read(attn, "k_norm", sources)
+        qk: tuple[object, object] = (None, None)
+        if q_norm is not None and k_norm is not None:
+            norms_ok = all(
+                type(n) is RMSNorm and _read(n, "eps", sources) == eps for n in (q_norm, k_norm)
+            )
+            fused = fused and norms_ok and _read(attn, "q_ratio", sources) is None
+            if fused:
+                qk = (_read(q_norm, "weight", sources), _read(k_norm, "weight", sources))
+        return LayerArgs(norms, matrices, heads, fused, Checks.of(sources), qk_norms=qk)
 
     return _cached(block, build)
 
@@ -375,7 +389,8 @@ class StackArgs:
     layers: object = None
     # Gemma 3's SandwichBlocks (the `sandwich_decoder` op, its SandwichStack): norms are every
     # layer's six weights in one list, then eps; matrices wqkv weights, bits, N; wo weights,
-    # bits; w13 ..., N; w2 ...; extra the query scale and which layers slide
+    # bits; w13 ..., N; w2 ...; extra the query scale and which layers slide. For llama Blocks
+    # extra is the layers' q_norm weights and k_norm weights (None without: Qwen3's)
     sandwich: bool = False
     extra: tuple[object, ...] = ()
 
@@ -390,6 +405,7 @@ class StackArgs:
         """A copy over the copied model's tensors (`memo`), its Stack bound to them anew (the
         Stack's own copy would copy the tensors apart from the model's)."""
         norms, matrices = copy.deepcopy(self.norms, memo), copy.deepcopy(self.matrices, memo)
+        extra = copy.deepcopy(self.extra, memo)  # Qwen3's q/k norm weights among them
         return StackArgs(
             norms,
             matrices,
@@ -398,9 +414,9 @@ class StackArgs:
             copy.deepcopy(self.sources, memo),
             None
             if self.layers is None
-            else _bind(norms, matrices, self.num_heads, self.sandwich, self.extra),
+            else _bind(norms, matrices, self.num_heads, self.sandwich, extra),
             self.sandwich,
-            self.extra,
+            extra,
         )
 
 
@@ -415,7 +431,7 @@ def _bind(
     them."""
     if sandwich:
         return torch.classes.eaglespec_layer.SandwichStack(*norms, *matrices, num_heads, *extra)
-    return torch.classes.eaglespec_layer.Stack(*norms, *matrices, num_heads)
+    return torch.classes.eaglespec_layer.Stack(*norms, *matrices, num_heads, *extra)
 
 
 def stack_args(model: nn.Module) -> StackArgs | None:
@@ -447,13 +463,15 @@ def _stack_build(model: nn.Module) -> StackArgs:
     cols = [list(c) for c in zip(*(a.matrices for a in args), strict=True)]
     norms = ([a.norms[0] for a in args], [a.norms[1] for a in args], first.norms[2])
     matrices = tuple(first.matrices[i] if i in (2, 7) else cols[i] for i in range(10))
+    extra = ([a.qk_norms[0] for a in args], [a.qk_norms[1] for a in args])  # q, k norms or None
     return StackArgs(
         norms=norms,
         matrices=matrices,
         num_heads=first.num_heads,
         fused=alike,
         sources=Checks.of(sources),
-        layers=_bind(norms, matrices, first.num_heads) if alike else None,
+        layers=_bind(norms, matrices, first.num_heads, False, extra) if alike else None,
+        extra=extra,
     )
 
 
@@ -790,7 +808,7 @@ def forward(
     if args.sandwich:
         out: torch.Tensor = torch.ops.eaglespec_layer.sandwich(x, *rest, args.q_ratio)
         return out
-    out = torch.ops.eaglespec_layer.forward(x, *rest)
+    out = torch.ops.eaglespec_layer.forward(x, *rest, *args.qk_norms)
     return out
 
 

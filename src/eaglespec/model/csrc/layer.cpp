@@ -133,6 +133,36 @@ void norm_rows(const T* x, const at::Tensor& w, T* y, int64_t M, int64_t C, doub
     kernels::rms_norm_rows<T, T>(x, w.data_ptr<T>(), y, M, C, static_cast<float>(eps));
 }
 
+// Each of R tokens' query heads (H rows of D) and key heads (Hkv rows) in the fused q/k/v rows
+// (R, n_qkv) normed in place (each row is read whole before it is written), the queries then
+// multiplied by q_ratio where it is not 1, as ATen multiplies a tensor of T by a float (in fp32,
+// rounded once): Attention's q_norm, k_norm and query scale (Qwen3, Gemma 3).
+template <typename T>
+void norm_heads(T* qkv, int64_t R, int64_t n_qkv, int64_t H, int64_t Hkv, int64_t D,
+                const at::Tensor& q_norm, const at::Tensor& k_norm, double eps, double q_ratio) {
+  const float ratio = static_cast<float>(q_ratio);
+  for (int64_t r = 0; r < R; ++r) {
+    T* q = qkv + r * n_qkv;
+    norm_rows<T>(q, q_norm, q, H, D, eps);
+    if (q_ratio != 1.0)
+      for (int64_t i = 0; i < H * D; ++i) q[i] = static_cast<T>(static_cast<float>(q[i]) * ratio);
+    norm_rows<T>(q + H * D, k_norm, q + H * D, Hkv, D, eps);
+  }
+}
+
+// Whether a layer's q/k norms (both or neither) can be applied by norm_heads: weights of D in the
+// rows' dtype or fp32, contiguous.
+bool qk_fits(const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+             at::ScalarType dt, int64_t D) {
+  if (q_norm.has_value() != k_norm.has_value()) return false;
+  for (const auto* w : {&q_norm, &k_norm})
+    if (w->has_value() && (((*w)->scalar_type() != dt && (*w)->scalar_type() != at::kFloat) ||
+                           !(*w)->is_contiguous() || (*w)->numel() != D ||
+                           !(*w)->device().is_cpu()))
+      return false;
+  return true;
+}
+
 // native_rows' scratch for B x T rows: q/k/v, the rotated queries, attention's output,
 // residual + wo(a), its MLP norm, gate and up, silu(gate) * up.
 struct LayerBuffers {
@@ -151,7 +181,8 @@ struct LayerBuffers {
 
 // One layer from its attention input on, its kernels called directly (kernels.h): h (R, Cin)
 // the normed input of q/k/v, residual (R, C) what attention's output is added to; the layer's
-// output (R, C) into `out`. Each matrix at its `bits` (matrix_bits).
+// output (R, C) into `out`. Each matrix at its `bits` (matrix_bits); q_norm and k_norm (both
+// or neither) norm each head's queries and keys before RoPE (Qwen3).
 template <typename T>
 void native_rows(LayerBuffers& buf, const T* residual, const T* h, int64_t Cin,
                  const at::Tensor& mlp_norm, double eps, const at::Tensor& wqkv, int b_qkv,
@@ -159,12 +190,16 @@ void native_rows(LayerBuffers& buf, const T* residual, const T* h, int64_t Cin,
                  int b_o, const at::Tensor& w13, int b_13, int64_t n_13, const at::Tensor& w2,
                  int b_2, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
-                 const std::optional<at::Tensor>& mask, T* out) {
+                 const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& q_norm,
+                 const std::optional<at::Tensor>& k_norm, T* out) {
   const int64_t R = buf.x_attn.size(0) * buf.x_attn.size(1), C = buf.x_attn.size(2);
   const int64_t H = buf.q.size(2), D = buf.q.size(3), I = n_13 / 2;
   kernels::w4a8_rows<T>(b_qkv, h, R, Cin, wqkv.data_ptr<uint8_t>(), n_qkv, buf.qkv.data_ptr<T>(),
                         nullptr);
   if (bqkv.has_value()) add_bias<T>(buf.qkv.data_ptr<T>(), bqkv->data_ptr<T>(), R, n_qkv);
+  if (q_norm.has_value())  // Qwen3's per-head norms, after the bias as Attention.forward
+    norm_heads<T>(buf.qkv.data_ptr<T>(), R, n_qkv, H, k_cache.size(1), D, *q_norm, *k_norm, eps,
+                  1.0);
   kernels::rope_write_rows<T>(buf.qkv, cos, sin, k_cache, v_cache, slots, buf.q);
   kernels::attend_into(buf.qt, k_cache.narrow(2, 0, num_keys), v_cache.narrow(2, 0, num_keys),
                        mask, std::pow(double(D), -0.5), buf.a);
@@ -191,7 +226,9 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
                         int64_t n_13, const at::Tensor& w2,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& slots, int64_t num_keys,
-                        const std::optional<at::Tensor>& mask, int64_t num_heads) {
+                        const std::optional<at::Tensor>& mask, int64_t num_heads,
+                        const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm) {
   const int64_t B = residual.size(0), T_ = residual.size(1), C = residual.size(2);
   const int64_t Cin = h.size(2), Hkv = k_cache.size(1), D = k_cache.size(3), H = num_heads;
   const int b_qkv = matrix_bits(wqkv, Cin, n_qkv), b_o = matrix_bits(wo, H * D, C);
@@ -201,7 +238,7 @@ at::Tensor native_layer(const at::Tensor& residual, const at::Tensor& h, const a
   native_count.fetch_add(1, std::memory_order_relaxed);
   native_rows<T>(buf, residual.data_ptr<T>(), h.data_ptr<T>(), Cin, mlp_norm, eps, wqkv, b_qkv,
                  bqkv, n_qkv, wo, b_o, w13, b_13, n_13, w2, b_2, cos, sin, k_cache, v_cache, slots,
-                 num_keys, mask, out.data_ptr<T>());
+                 num_keys, mask, q_norm, k_norm, out.data_ptr<T>());
   return out;
 }
 
@@ -260,7 +297,8 @@ bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tens
 // The layer from its attention input on: h (B, T, Cin) the normed input of the q/k/v projection,
 // residual (B, T, C) what attention's output is added to; then the MLP block. Block.forward has
 // h = rms_norm(x) and residual = x; the EAGLE-3 head's first layer h = [norm(embedding),
-// norm(g)] (Cin = 2C) and residual = g or norm(g).
+// norm(g)] (Cin = 2C) and residual = g or norm(g). q_norm and k_norm (both or neither): each
+// head's queries and keys normed before RoPE (Qwen3's Attention).
 at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at::Tensor& mlp_norm,
                       double eps, const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv,
                       int64_t n_qkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
@@ -268,7 +306,9 @@ at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at:
                       const at::Tensor& w2, const std::optional<at::Tensor>& b2,
                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                       at::Tensor v_cache, const at::Tensor& slots, int64_t num_keys,
-                      const std::optional<at::Tensor>& mask, int64_t num_heads) {
+                      const std::optional<at::Tensor>& mask, int64_t num_heads,
+                      const std::optional<at::Tensor>& q_norm,
+                      const std::optional<at::Tensor>& k_norm) {
   const Ops& o = ops();
   const int64_t B = residual.size(0), T = residual.size(1), C = residual.size(2);
   const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), H = num_heads;
@@ -276,18 +316,26 @@ at::Tensor layer_from(const at::Tensor& residual, const at::Tensor& h, const at:
               Hkv, " heads of ", D);
   TORCH_CHECK(h.dim() == 3 && h.size(0) == B && h.size(1) == T, "layer: attention input ",
               h.sizes(), " for a residual of ", residual.sizes());
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "layer: a q norm needs a k norm");
   if (native_fits(residual, h, mlp_norm, wqkv, n_qkv, wo, w13, w2, bqkv, bo, b13, b2, cos, sin,
-                  k_cache, v_cache, slots, num_keys, mask, num_heads, n_13)) {
+                  k_cache, v_cache, slots, num_keys, mask, num_heads, n_13) &&
+      qk_fits(q_norm, k_norm, residual.scalar_type(), D)) {
     if (residual.scalar_type() == at::kBFloat16)
       return native_layer<at::BFloat16>(residual, h, mlp_norm, eps, wqkv, bqkv, n_qkv, wo, w13,
                                         n_13, w2, cos, sin, k_cache, v_cache, slots, num_keys,
-                                        mask, num_heads);
+                                        mask, num_heads, q_norm, k_norm);
     return native_layer<float>(residual, h, mlp_norm, eps, wqkv, bqkv, n_qkv, wo, w13, n_13, w2,
-                               cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
+                               cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads,
+                               q_norm, k_norm);
   }
   const at::Tensor x2 = residual.reshape({B * T, C});
-  const at::Tensor qkv = project(h.reshape({B * T, h.size(2)}), wqkv, bqkv, n_qkv)
-                             .view({B, T, H + 2 * Hkv, D});
+  at::Tensor qkv = project(h.reshape({B * T, h.size(2)}), wqkv, bqkv, n_qkv)
+                       .view({B, T, H + 2 * Hkv, D});
+  if (q_norm.has_value())  // Attention.forward's q_norm(q), k_norm(k) and cat
+    qkv = at::cat({o.rms_norm.call(qkv.narrow(2, 0, H), *q_norm, eps),
+                   o.rms_norm.call(qkv.narrow(2, H, Hkv), *k_norm, eps),
+                   qkv.narrow(2, H + Hkv, Hkv)},
+                  2);
   const at::Tensor q = o.rope_write.call(qkv, cos, sin, k_cache, v_cache, slots).transpose(1, 2);
   const at::Tensor keys = k_cache.narrow(2, 0, num_keys), values = v_cache.narrow(2, 0, num_keys);
   // attend returns (B, H, T, D) as a view of a contiguous (B, T, H, D): the rows wo reads
@@ -309,21 +357,24 @@ at::Tensor layer_forward(const at::Tensor& x, const at::Tensor& attn_norm, const
                          int64_t n_13, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                          at::Tensor v_cache, const at::Tensor& slots, int64_t num_keys,
-                         const std::optional<at::Tensor>& mask, int64_t num_heads) {
+                         const std::optional<at::Tensor>& mask, int64_t num_heads,
+                         const std::optional<at::Tensor>& q_norm,
+                         const std::optional<at::Tensor>& k_norm) {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
   const at::Tensor h = ops().rms_norm.call(x.reshape({B * T, C}), attn_norm, eps);
   return layer_from(x, h.view({B, T, C}), mlp_norm, eps, wqkv, bqkv, n_qkv, wo, bo, w13, b13,
-                    n_13, w2, b2, cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads);
+                    n_13, w2, b2, cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads,
+                    q_norm, k_norm);
 }
 
 // A decoder's layers, held by the model's Python side (cpu_layer.StackArgs) and passed to the
 // stack and decoder ops as one object: each layer's norms, matrices (4-bit) and biases (None
-// without), and what the layers share (eps, the q/k/v and gate/up output sizes, the query
-// heads). Passed as lists at every call, the 360-odd tensors of SmolLM2's 30 layers cost about
+// without), q/k norms (None without: all layers or none), and what the layers share (eps, the
+// q/k/v and gate/up output sizes, the query heads). Passed as lists at every call, the 360-odd tensors of SmolLM2's 30 layers cost about
 // 0.4 ms of each decode step in their conversion to and from the dispatcher's values.
 struct Stack : torch::CustomClassHolder {
   std::vector<at::Tensor> attn_norms, mlp_norms, wqkv, wo, w13, w2;
-  c10::List<std::optional<at::Tensor>> bqkv, bo, b13, b2;
+  c10::List<std::optional<at::Tensor>> bqkv, bo, b13, b2, q_norms, k_norms;
   double eps;
   int64_t n_qkv, n_13, num_heads;
 
@@ -331,15 +382,17 @@ struct Stack : torch::CustomClassHolder {
         std::vector<at::Tensor> wqkv, c10::List<std::optional<at::Tensor>> bqkv, int64_t n_qkv,
         std::vector<at::Tensor> wo, c10::List<std::optional<at::Tensor>> bo,
         std::vector<at::Tensor> w13, c10::List<std::optional<at::Tensor>> b13, int64_t n_13,
-        std::vector<at::Tensor> w2, c10::List<std::optional<at::Tensor>> b2, int64_t num_heads)
+        std::vector<at::Tensor> w2, c10::List<std::optional<at::Tensor>> b2, int64_t num_heads,
+        c10::List<std::optional<at::Tensor>> q_norms, c10::List<std::optional<at::Tensor>> k_norms)
       : attn_norms(std::move(attn_norms)), mlp_norms(std::move(mlp_norms)), wqkv(std::move(wqkv)),
         wo(std::move(wo)), w13(std::move(w13)), w2(std::move(w2)), bqkv(std::move(bqkv)),
-        bo(std::move(bo)), b13(std::move(b13)), b2(std::move(b2)), eps(eps), n_qkv(n_qkv),
-        n_13(n_13), num_heads(num_heads) {
+        bo(std::move(bo)), b13(std::move(b13)), b2(std::move(b2)), q_norms(std::move(q_norms)),
+        k_norms(std::move(k_norms)), eps(eps), n_qkv(n_qkv), n_13(n_13), num_heads(num_heads) {
     const size_t L = this->wqkv.size();
     for (const size_t n : {this->attn_norms.size(), this->mlp_norms.size(), this->bqkv.size(),
                            this->wo.size(), this->bo.size(), this->w13.size(), this->b13.size(),
-                           this->w2.size(), this->b2.size()})
+                           this->w2.size(), this->b2.size(), this->q_norms.size(),
+                           this->k_norms.size()})
       TORCH_CHECK(n == L, "stack: ", L, " layers, but a list of ", n);
   }
 };
@@ -365,7 +418,8 @@ bool stack_fits(const at::Tensor& x, const Stack& s, const at::Tensor& cos, cons
       return false;
     if (!native_fits(x, x, s.mlp_norms[l], s.wqkv[l], s.n_qkv, s.wo[l], s.w13[l], s.w2[l],
                      s.bqkv.get(l), s.bo.get(l), s.b13.get(l), s.b2.get(l), cos, sin, k_caches[l],
-                     v_caches[l], slots, num_keys, mask, s.num_heads, s.n_13))
+                     v_caches[l], slots, num_keys, mask, s.num_heads, s.n_13) ||
+        !qk_fits(s.q_norms.get(l), s.k_norms.get(l), x.scalar_type(), k_caches[l].size(3)))
       return false;
   }
   return true;
@@ -425,7 +479,8 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
     native_count.fetch_add(1, std::memory_order_relaxed);
     native_rows<T>(buf, cur.data_ptr<T>(), h.data_ptr<T>(), C, s.mlp_norms[l], s.eps, s.wqkv[l],
                    b_qkv, s.bqkv.get(l), n_qkv, s.wo[l], b_o, s.w13[l], b_13, n_13, s.w2[l], b_2,
-                   cos, sin, k_cache, v_cache, slots, num_keys, mask, next.data_ptr<T>());
+                   cos, sin, k_cache, v_cache, slots, num_keys, mask, s.q_norms.get(l),
+                   s.k_norms.get(l), next.data_ptr<T>());
     cur = next;
     keep(l + 1, cur);
   }
@@ -471,7 +526,7 @@ std::vector<at::Tensor> stack_forward(const at::Tensor& x, const c10::intrusive_
     h = layer_forward(h, s.attn_norms[l], s.mlp_norms[l], s.eps, s.wqkv[l], s.bqkv.get(l),
                       s.n_qkv, s.wo[l], s.bo.get(l), s.w13[l], s.b13.get(l), s.n_13, s.w2[l],
                       s.b2.get(l), cos, sin, k_caches[l], v_caches[l], slots, num_keys, mask,
-                      s.num_heads);
+                      s.num_heads, s.q_norms.get(l), s.k_norms.get(l));
     keep(l + 1, h);
   }
   out[0] = h;
@@ -545,7 +600,7 @@ std::vector<at::Tensor> head_forward(
   const at::Tensor attn_in = at::cat({o.rms_norm.call(e, input_norm, eps), h}, -1);  // (B, T, 2C)
   at::Tensor x = layer_from(norm_before_residual ? h : g, attn_in, mlp_norm, eps, wqkv, bqkv,
                             n_qkv, wo, bo, w13, b13, n_13, w2, b2, rope[0], rope[1], k_cache,
-                            v_cache, slots, num_keys, mask, num_heads);
+                            v_cache, slots, num_keys, mask, num_heads, std::nullopt, std::nullopt);
   if (feed_normed && final_norm.has_value()) x = o.rms_norm.call(x, *final_norm, eps);
   const std::optional<at::Tensor> norm = feed_normed ? std::nullopt : final_norm;
   return {logits_of(x, logit_index, norm, eps, lm_head, lm_bits, vocab), x};
@@ -611,14 +666,7 @@ void sandwich_rows(SandwichBuffers& sb, const T* x, at::TensorList norms, double
   T* h2 = buf.h2.data_ptr<T>();
   norm_rows<T>(x, norms[0], h, R, C, eps);
   kernels::w4a8_rows<T>(b_qkv, h, R, C, wqkv.data_ptr<uint8_t>(), n_qkv, qkv, nullptr);
-  const float ratio = static_cast<float>(q_ratio);
-  for (int64_t r = 0; r < R; ++r) {  // each token's query heads, then its key heads
-    T* q = qkv + r * n_qkv;
-    norm_rows<T>(q, norms[1], q, H, D, eps);
-    if (q_ratio != 1.0)
-      for (int64_t i = 0; i < H * D; ++i) q[i] = static_cast<T>(static_cast<float>(q[i]) * ratio);
-    norm_rows<T>(q + H * D, norms[2], q + H * D, Hkv, D, eps);
-  }
+  norm_heads<T>(qkv, R, n_qkv, H, Hkv, D, norms[1], norms[2], eps, q_ratio);
   kernels::rope_write_rows<T>(buf.qkv, cos, sin, k_cache, v_cache, slots, buf.q);
   kernels::attend_into(buf.qt, k_cache.narrow(2, 0, num_keys), v_cache.narrow(2, 0, num_keys),
                        mask, std::pow(double(D), -0.5), buf.a);
@@ -901,23 +949,27 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "forward(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor wqkv, Tensor? bqkv, "
       "int n_qkv, Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, Tensor w2, Tensor? b2, "
       "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int num_keys, "
-      "Tensor? mask, int num_heads) -> Tensor");
+      "Tensor? mask, int num_heads, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor");
   m.def(
       "forward_from(Tensor residual, Tensor h, Tensor mlp_norm, float eps, Tensor wqkv, "
       "Tensor? bqkv, int n_qkv, Tensor wo, Tensor? bo, Tensor w13, Tensor? b13, int n_13, "
       "Tensor w2, Tensor? b2, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slots, int num_keys, Tensor? mask, int num_heads) -> Tensor");
+      "Tensor slots, int num_keys, Tensor? mask, int num_heads, Tensor? q_norm=None, "
+      "Tensor? k_norm=None) -> Tensor");
   using Tensors = std::vector<at::Tensor>;
   using Optionals = c10::List<std::optional<at::Tensor>>;
   using State = std::tuple<Tensors, Tensors, double, Tensors, Optionals, int64_t, Tensors,
-                           Optionals, Tensors, Optionals, int64_t, Tensors, Optionals, int64_t>;
+                           Optionals, Tensors, Optionals, int64_t, Tensors, Optionals, int64_t,
+                           Optionals, Optionals>;
   m.class_<Stack>("Stack")
       .def(torch::init<Tensors, Tensors, double, Tensors, Optionals, int64_t, Tensors, Optionals,
-                       Tensors, Optionals, int64_t, Tensors, Optionals, int64_t>())
+                       Tensors, Optionals, int64_t, Tensors, Optionals, int64_t, Optionals,
+                       Optionals>())
       .def_pickle(  // what a copy of the model it belongs to (copy.deepcopy) copies
           [](const c10::intrusive_ptr<Stack>& s) -> State {
-            return {s->attn_norms, s->mlp_norms, s->eps, s->wqkv, s->bqkv, s->n_qkv, s->wo,
-                    s->bo,         s->w13,       s->b13, s->n_13, s->w2,   s->b2,   s->num_heads};
+            return {s->attn_norms, s->mlp_norms, s->eps,     s->wqkv,    s->bqkv, s->n_qkv,
+                    s->wo,         s->bo,        s->w13,     s->b13,     s->n_13, s->w2,
+                    s->b2,         s->num_heads, s->q_norms, s->k_norms};
           },
           [](State t) {
             return std::apply(
