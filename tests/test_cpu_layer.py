@@ -550,7 +550,9 @@ def test_the_fused_head_has_the_python_forwards_bits(
     """An EAGLE-3 head quantized as the commands quantize it takes the whole step in one op
     (`head`), or, where that is refused, its layer from the attention input on (`forward_from`:
     the first layer's input is [norm(embedding), norm(g)], 2C wide): either way the same logits,
-    next states and cache bits as its Python forward, with each config flag the op reads."""
+    next states and cache bits as its Python forward, with each config flag the op reads, its
+    kernels called directly (the default) or every step through ATen and the ops
+    (`use_native(False)`)."""
     target = _target(dtype)
     head = quantize_model(random_eagle3(target, seed=2), "w4a8")
     gen = torch.Generator().manual_seed(3)
@@ -569,15 +571,21 @@ def test_the_fused_head_has_the_python_forwards_bits(
         monkeypatch.setattr(cpu_layer, "head_args", lambda *a: None)
     torch.manual_seed(6)
     feats = torch.randn(1, 6, 3 * 128).to(dtype)
+    ops = torch.ops.eaglespec_layer
     with torch.inference_mode():
         fused, fused_cache = _head_run(head, feats)
         assert len(taken) == 4, f"the fused {op} op was taken {len(taken)} times, not 4"
+        ops.use_native(False)  # the op's inputs, layer and logits through ATen and the ops
+        try:
+            through_ops, ops_cache = _head_run(copy.deepcopy(head), feats)
+        finally:
+            ops.use_native(True)
         monkeypatch.setattr(cpu_layer, "head_args", lambda *a: None)
         monkeypatch.setattr(cpu_layer, "draft_args", lambda *a: None)
         python, python_cache = _head_run(copy.deepcopy(head), feats)
-    for a, b in zip(fused, python, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(fused_cache, python_cache)
+    for a, b, c in zip(fused, through_ops, python, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert torch.equal(fused_cache, python_cache) and torch.equal(ops_cache, python_cache)
 
 
 def test_the_fused_head_steps_aside_for_a_head_it_does_not_take() -> None:

@@ -40,7 +40,12 @@ the RoPE tables, the final norm and a w4a8 output matrix (4- or 8-bit) to the fp
 `head` a one-layer EAGLE-3 head's whole step (RoPE, embedding, norms, the layer, lm_head). On
 SmolLM2 (bf16 w4a8, 128-token prefix, interleaved in one process, medians): a target forward of
 one token 5.21 -> 5.06 ms, of two 5.90 -> 5.47 ms, plain decoding 177 -> 187 tok/s; the head's
-one-token step 0.72 -> 0.55 ms, a two-token catch-up with fc 0.95 -> 0.70 ms.
+one-token step 0.72 -> 0.55 ms, a two-token catch-up with fc 0.95 -> 0.70 ms. Since session 60
+the ATen glue at those ends is gone too (csrc/layer.cpp: the RoPE tables filled around ATen's
+own sin and cos, the head's embedding row, norms and concatenation, the logits' row pick, final
+norm and widening, each through the kernels directly; the same bits): on the AVX2 VM, in one
+process with the glue switched run by run, the head's step 0.85x the time, its catch-up after a
+target forward 0.88x, a two-token target forward 0.99x.
 
 Then the glue inside the op (session 57, an AVX2 VM): a one-row SmolLM2 step spent about 1.5 ms of
 7.6 in the dispatcher, output tensors, views and checks around its 150 kernel calls, each also a

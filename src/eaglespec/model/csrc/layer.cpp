@@ -20,11 +20,13 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -533,23 +535,121 @@ std::vector<at::Tensor> stack_forward(const at::Tensor& x, const c10::intrusive_
   return out;
 }
 
+// The tables from the angles' sines and cosines (R, D/2): c = [cos, cos], s = [-sin, sin],
+// rounded to T as .to(dtype) rounds (to nearest even).
+template <typename T>
+void rope_tables(const float* sn, const float* cs, int64_t R, int64_t D2, T* c, T* s) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < D2; ++i) {
+      const float cv = cs[r * D2 + i], sv = sn[r * D2 + i];
+      c[r * 2 * D2 + i] = c[r * 2 * D2 + D2 + i] = static_cast<T>(cv);
+      s[r * 2 * D2 + i] = static_cast<T>(-sv);
+      s[r * 2 * D2 + D2 + i] = static_cast<T>(sv);
+    }
+}
+
 // cos and signed sin (B, T, 1, D) in `dtype` from positions (B, T) int64 and inv_freq (D/2,)
-// fp32: layers.rope_cos_sin's ATen ops in its order, so its bits.
+// fp32: layers.rope_cos_sin's, bit for bit. The angles (float(position) * inv_freq, one rounded
+// product each, as ATen's broadcast multiply) and the tables are filled here; sin and cos are
+// ATen's own ops over the angles laid out as layers.rope_cos_sin's (B, T, D/2), so their bits
+// (which differ between ATen's vector body and its scalar tail) are the same: two ATen ops where
+// the formula takes ten (each a dispatch, an output and its checks, in every forward and draft
+// step). Other dtypes or layouts go through the formula's ops.
 std::vector<at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq,
                                      at::ScalarType dtype) {
-  const at::Tensor angles = positions.unsqueeze(-1).to(at::kFloat) * inv_freq;  // (B, T, D/2)
-  const at::Tensor sin = angles.sin(), cos = angles.cos();
-  const at::Tensor c = at::cat({cos, cos}, -1), s = at::cat({-sin, sin}, -1);  // (B, T, D)
-  return {c.unsqueeze(2).to(dtype), s.unsqueeze(2).to(dtype)};
+  const bool direct = positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                      positions.device().is_cpu() && positions.dim() == 2 &&
+                      inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous() &&
+                      inv_freq.dim() == 1 && inv_freq.device().is_cpu() &&
+                      (dtype == at::kFloat || dtype == at::kBFloat16);
+  if (!direct) {
+    const at::Tensor angles = positions.unsqueeze(-1).to(at::kFloat) * inv_freq;  // (B, T, D/2)
+    const at::Tensor sin = angles.sin(), cos = angles.cos();
+    const at::Tensor c = at::cat({cos, cos}, -1), s = at::cat({-sin, sin}, -1);  // (B, T, D)
+    return {c.unsqueeze(2).to(dtype), s.unsqueeze(2).to(dtype)};
+  }
+  const int64_t B = positions.size(0), T_ = positions.size(1), R = B * T_, D2 = inv_freq.numel();
+  at::Tensor angles = at::empty({B, T_, D2}, inv_freq.options());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* f = inv_freq.data_ptr<float>();
+  float* a = angles.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < D2; ++i) a[r * D2 + i] = static_cast<float>(pos[r]) * f[i];
+  const at::Tensor sn = angles.sin(), cs = angles.cos();
+  const at::TensorOptions opts = inv_freq.options().dtype(dtype);
+  at::Tensor c = at::empty({B, T_, 1, 2 * D2}, opts), s = at::empty({B, T_, 1, 2 * D2}, opts);
+  if (dtype == at::kBFloat16)
+    rope_tables<at::BFloat16>(sn.data_ptr<float>(), cs.data_ptr<float>(), R, D2,
+                              c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>());
+  else
+    rope_tables<float>(sn.data_ptr<float>(), cs.data_ptr<float>(), R, D2, c.data_ptr<float>(),
+                       s.data_ptr<float>());
+  return {c, s};
 }
 
 // fp32 logits (B, T', V) of x (B, T, C): the columns logit_index (B, T') picks (all without),
 // through the final norm where one is given, then the 4- or 8-bit output matrix (no bias) as a
 // _QuantLinear does it (rows in x's dtype, then fp32): llama.py's Transformer._logits and the
 // end of eagle3.py's Eagle3Head.body.
+template <typename T>
+at::Tensor native_logits(const at::Tensor& x, const std::optional<at::Tensor>& logit_index,
+                         const std::optional<at::Tensor>& norm, double eps,
+                         const at::Tensor& lm_head, int bits, int64_t vocab) {
+  const int64_t B = x.size(0), T_ = x.size(1), C = x.size(2);
+  const int64_t Tp = logit_index.has_value() ? logit_index->size(1) : T_, M = B * Tp;
+  const T* xp = x.data_ptr<T>();
+  at::Tensor rows = at::empty({M, C}, x.options());  // the picked rows, then normed in place
+  T* yp = rows.data_ptr<T>();
+  if (logit_index.has_value()) {
+    const int64_t* idx = logit_index->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < Tp; ++t) {
+        const int64_t j = idx[b * Tp + t];  // in [0, T): logits_of checked
+        std::copy(xp + (b * T_ + j) * C, xp + (b * T_ + j + 1) * C, yp + (b * Tp + t) * C);
+      }
+  } else {
+    std::copy(xp, xp + M * C, yp);
+  }
+  if (norm.has_value()) norm_rows<T>(yp, *norm, yp, M, C, eps);
+  at::Tensor z = at::empty({M, vocab}, x.options());
+  kernels::w4a8_rows<T>(bits, yp, M, C, lm_head.data_ptr<uint8_t>(), vocab, z.data_ptr<T>(),
+                        nullptr);
+  if constexpr (std::is_same_v<T, float>) return z.view({B, Tp, vocab});
+  at::Tensor out = at::empty({B, Tp, vocab}, x.options().dtype(at::kFloat));
+  const T* zp = z.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < M * vocab; ++i) op[i] = static_cast<float>(zp[i]);  // exact
+  return out;
+}
+
 at::Tensor logits_of(const at::Tensor& x, const std::optional<at::Tensor>& logit_index,
                      const std::optional<at::Tensor>& norm, double eps, const at::Tensor& lm_head,
                      int64_t lm_bits, int64_t vocab) {
+  // The rows picked, normed and projected by the kernels called directly into buffers of our
+  // own (the same functions on the same rows: the same bits) where everything is of the kinds
+  // they take; else through the ops.
+  const auto dt = x.scalar_type();
+  const bool direct =
+      native_wanted.load(std::memory_order_relaxed) && x.dim() == 3 && x.is_contiguous() &&
+      x.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16) &&
+      (!norm.has_value() || ((norm->scalar_type() == dt || norm->scalar_type() == at::kFloat) &&
+                             norm->is_contiguous() && norm->numel() == x.size(2))) &&
+      (!logit_index.has_value() ||
+       (logit_index->scalar_type() == at::kLong && logit_index->is_contiguous() &&
+        logit_index->dim() == 2 && logit_index->size(0) == x.size(0))) &&
+      (lm_bits == 4 || lm_bits == 8) && kernels::packed_bits(lm_head, x.size(2), vocab) == lm_bits;
+  bool in_range = true;  // else ATen's index (negative positions, or its error)
+  if (direct && logit_index.has_value()) {
+    const int64_t* idx = logit_index->data_ptr<int64_t>();
+    for (int64_t i = 0; i < logit_index->numel(); ++i)
+      in_range = in_range && 0 <= idx[i] && idx[i] < x.size(1);
+  }
+  if (direct && in_range) {
+    kernels::w4a8_check(lm_head, x.size(2), vocab, int(lm_bits));
+    if (dt == at::kBFloat16)
+      return native_logits<at::BFloat16>(x, logit_index, norm, eps, lm_head, int(lm_bits), vocab);
+    return native_logits<float>(x, logit_index, norm, eps, lm_head, int(lm_bits), vocab);
+  }
   at::Tensor y = x;
   if (logit_index.has_value()) {
     const at::Tensor rows = at::arange(x.size(0), logit_index->options()).unsqueeze(1);  // (B, 1)
@@ -559,6 +659,53 @@ at::Tensor logits_of(const at::Tensor& x, const std::optional<at::Tensor>& logit
   const at::Tensor z = project_bits(y.reshape({-1, y.size(2)}), lm_head, lm_bits, vocab, "logits");
   return z.to(y.scalar_type()).view({y.size(0), y.size(1), vocab}).to(at::kFloat);
 }
+
+namespace {
+
+// Whether head_inputs takes a head step's inputs: ids (B, T) int64 within the embedding's rows,
+// g (B, T, C) contiguous bf16 or fp32, the embedding (V, C) of g's dtype and the two norms' weights
+// (C) of it or fp32, contiguous, on the CPU; else the ATen ops run (and say what is wrong).
+bool head_inputs_fit(const at::Tensor& ids, const at::Tensor& g, const at::Tensor& embed,
+                     const at::Tensor& input_norm, const at::Tensor& hidden_norm) {
+  const auto dt = g.scalar_type();
+  if (!native_wanted.load(std::memory_order_relaxed)) return false;
+  if ((dt != at::kFloat && dt != at::kBFloat16) || !g.is_contiguous() || !g.device().is_cpu())
+    return false;
+  if (embed.scalar_type() != dt || !embed.is_contiguous() || embed.dim() != 2 ||
+      embed.size(1) != g.size(2) || !embed.device().is_cpu())
+    return false;
+  for (const at::Tensor* w : {&input_norm, &hidden_norm})
+    if ((w->scalar_type() != dt && w->scalar_type() != at::kFloat) || !w->is_contiguous() ||
+        w->numel() != g.size(2))
+      return false;
+  if (ids.scalar_type() != at::kLong || !ids.is_contiguous() || ids.numel() != g.size(0) * g.size(1))
+    return false;
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    if (ip[i] < 0 || ip[i] >= embed.size(0)) return false;
+  return true;
+}
+
+// h = norm(g) and attn_in = [input_norm(embed[ids]), h] row by row, the norm kernel called
+// directly (the embedding's row read in place: the same values at::embedding copies out, so the
+// same bits), instead of the embedding, two norm ops and a cat.
+template <typename T>
+void head_inputs(const at::Tensor& ids, const at::Tensor& g, const at::Tensor& embed,
+                 const at::Tensor& input_norm, const at::Tensor& hidden_norm, double eps,
+                 at::Tensor& h, at::Tensor& attn_in) {
+  const int64_t R = ids.numel(), C = g.size(2);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const T* e = embed.data_ptr<T>();
+  T* hp = h.data_ptr<T>();
+  T* ap = attn_in.data_ptr<T>();
+  norm_rows<T>(g.data_ptr<T>(), hidden_norm, hp, R, C, eps);
+  for (int64_t r = 0; r < R; ++r) {
+    norm_rows<T>(e + ip[r] * C, input_norm, ap + r * 2 * C, 1, C, eps);
+    std::copy(hp + r * C, hp + (r + 1) * C, ap + r * 2 * C + C);
+  }
+}
+
+}  // namespace
 
 // One step of a one-layer EAGLE-3 head (draft/eagle3.py's Eagle3Head.body, its MidLayer taken
 // by the fused layer op) in one call, its ops in body's order:
@@ -595,13 +742,38 @@ std::vector<at::Tensor> head_forward(
   TORCH_CHECK(g.dim() == 3 && g.size(0) == B && g.size(1) == T && g.size(2) == C, "head: state ",
               g.sizes(), " for ids ", ids.sizes(), " and width ", C);
   const std::vector<at::Tensor> rope = rope_cos_sin(positions, inv_freq, g.scalar_type());
-  const at::Tensor e = at::embedding(embed, ids);  // (B, T, C)
-  const at::Tensor h = o.rms_norm.call(g, hidden_norm, eps);
-  const at::Tensor attn_in = at::cat({o.rms_norm.call(e, input_norm, eps), h}, -1);  // (B, T, 2C)
+  at::Tensor h, attn_in;  // norm(g) (B, T, C); [norm(embed[ids]), norm(g)] (B, T, 2C)
+  if (head_inputs_fit(ids, g, embed, input_norm, hidden_norm)) {
+    h = at::empty({B, T, C}, g.options());
+    attn_in = at::empty({B, T, 2 * C}, g.options());
+    if (g.scalar_type() == at::kBFloat16)
+      head_inputs<at::BFloat16>(ids, g, embed, input_norm, hidden_norm, eps, h, attn_in);
+    else
+      head_inputs<float>(ids, g, embed, input_norm, hidden_norm, eps, h, attn_in);
+  } else {
+    const at::Tensor e = at::embedding(embed, ids);  // (B, T, C)
+    h = o.rms_norm.call(g, hidden_norm, eps);
+    attn_in = at::cat({o.rms_norm.call(e, input_norm, eps), h}, -1);
+  }
   at::Tensor x = layer_from(norm_before_residual ? h : g, attn_in, mlp_norm, eps, wqkv, bqkv,
                             n_qkv, wo, bo, w13, b13, n_13, w2, b2, rope[0], rope[1], k_cache,
                             v_cache, slots, num_keys, mask, num_heads, std::nullopt, std::nullopt);
-  if (feed_normed && final_norm.has_value()) x = o.rms_norm.call(x, *final_norm, eps);
+  if (feed_normed && final_norm.has_value()) {
+    const auto dt = x.scalar_type();
+    if (x.is_contiguous() && final_norm->is_contiguous() && final_norm->numel() == C &&
+        (final_norm->scalar_type() == dt || final_norm->scalar_type() == at::kFloat) &&
+        native_wanted.load(std::memory_order_relaxed)) {
+      at::Tensor y = at::empty_like(x);
+      if (dt == at::kBFloat16)
+        norm_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), *final_norm,
+                                y.data_ptr<at::BFloat16>(), B * T, C, eps);
+      else
+        norm_rows<float>(x.data_ptr<float>(), *final_norm, y.data_ptr<float>(), B * T, C, eps);
+      x = y;
+    } else {
+      x = o.rms_norm.call(x, *final_norm, eps);
+    }
+  }
   const std::optional<at::Tensor> norm = feed_normed ? std::nullopt : final_norm;
   return {logits_of(x, logit_index, norm, eps, lm_head, lm_bits, vocab), x};
 }
