@@ -301,6 +301,30 @@ def test_a_floating_buffer_converted_after_a_forward_is_noticed(
         _assert_fused_is_python(model, monkeypatch)
 
 
+def _assert_path_is_python(model: Transformer, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """_assert_fused_is_python with the fused forward taken one way: "decoder" (the whole forward
+    in one call, the layers' kernels called directly), "layers" (the fused op layer by layer,
+    kernels called directly) or "ops" (one call, every kernel called as an op). The decoder calls
+    and the count of layers run directly say which way ran."""
+    ops = torch.ops.eaglespec_layer
+    if path == "layers":
+        monkeypatch.setattr(cpu_layer, "stack_args", lambda *a: None)
+    decoder = cpu_layer.forward_decoder
+    calls: list[int] = []
+    monkeypatch.setattr(cpu_layer, "forward_decoder", lambda *a: calls.append(1) or decoder(*a))
+    ops.use_native(path != "ops")
+    before = ops.native_layers()
+    try:
+        with torch.inference_mode():
+            _assert_fused_is_python(model, monkeypatch)
+    finally:
+        ops.use_native(True)
+    forwards = 1 + len(ragged_steps())  # _run's on the fused model
+    assert len(calls) == (0 if path == "layers" else forwards)
+    direct = ops.native_layers() - before
+    assert direct == (0 if path == "ops" else forwards * len(model.layers))
+
+
 def _gemma_target(dtype: torch.dtype) -> Transformer:
     """A tiny Gemma 3 (SandwichBlock layers, q/k norms, GELU-tanh, a query scale of its own, a
     window of 4 keys on two of three layers) in w4a8-mixed: some matrices 8-bit, the rest 4."""
@@ -352,25 +376,7 @@ def test_the_fused_gemma_layer_has_the_python_forwards_bits(
     assert args.matrices[1] == 8 and args.matrices[4] == 4  # wqkv 8-bit, wo 4-bit
     stack = cpu_layer.stack_args(model)
     assert stack is not None and stack.sandwich and stack.extra[1] == [True, False, True]
-    ops = torch.ops.eaglespec_layer
-    if path == "layers":
-        monkeypatch.setattr(cpu_layer, "stack_args", lambda *a: None)
-    ops.use_native(path != "ops")
-    decoder = cpu_layer.forward_sandwich_decoder
-    calls: list[int] = []
-    monkeypatch.setattr(
-        cpu_layer, "forward_sandwich_decoder", lambda *a: calls.append(1) or decoder(*a)
-    )
-    before = ops.native_layers()
-    try:
-        with torch.inference_mode():
-            _assert_fused_is_python(model, monkeypatch)
-    finally:
-        ops.use_native(True)
-    forwards = 1 + len(ragged_steps())  # _run's on the fused model
-    assert len(calls) == (0 if path == "layers" else forwards)
-    direct = ops.native_layers() - before
-    assert direct == (0 if path == "ops" else forwards * len(model.layers))
+    _assert_path_is_python(model, path, monkeypatch)
 
 
 def _qwen3_target(dtype: torch.dtype, mixed: bool) -> Transformer:
@@ -403,19 +409,7 @@ def test_the_fused_qwen3_layer_has_the_python_forwards_bits(
     assert args is not None and args.qk_norms[0] is model.layers[0].attn.q_norm.weight
     stack = cpu_layer.stack_args(model)
     assert stack is not None and stack.extra[1][2] is model.layers[2].attn.k_norm.weight
-    ops = torch.ops.eaglespec_layer
-    if path == "layers":
-        monkeypatch.setattr(cpu_layer, "stack_args", lambda *a: None)
-    ops.use_native(path != "ops")
-    before = ops.native_layers()
-    try:
-        with torch.inference_mode():
-            _assert_fused_is_python(model, monkeypatch)
-    finally:
-        ops.use_native(True)
-    forwards = 1 + len(ragged_steps())  # _run's on the fused model
-    direct = ops.native_layers() - before
-    assert direct == (0 if path == "ops" else forwards * len(model.layers))
+    _assert_path_is_python(model, path, monkeypatch)
 
 
 @pytest.mark.parametrize("draft", ["random-head", "oracle-noisy"])

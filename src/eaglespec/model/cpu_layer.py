@@ -564,86 +564,46 @@ def _logits_build(model: nn.Module, stack: StackArgs) -> LogitsArgs:
 
 
 @functools.cache
-def _decoder_op() -> Callable[..., list[torch.Tensor]]:
-    """The decoder op's C++ entry, past its Python wrapper. The op takes a TorchBind object (the
-    layer stack), so the wrapper scans every argument for a tracing placeholder of one before
-    each call (torch._ops._must_dispatch_in_python): 28 us a forward over SmolLM2's 30 layers'
-    cache lists; a one-token step took 6.32 ms without it against 6.37 ms (medians of 80 runs
-    of 25, alternated in one process, AVX2 VM). This path runs eagerly only (step_fits), where
-    no such placeholder exists."""
-    overload = torch.ops.eaglespec_layer.decoder.default
+def _decoder_op(sandwich: bool) -> Callable[..., list[torch.Tensor]]:
+    """The decoder op's (Gemma 3's sandwich_decoder op's) C++ entry, past its Python wrapper. The
+    op takes a TorchBind object (the layer stack), so the wrapper scans every argument for a
+    tracing placeholder of one before each call (torch._ops._must_dispatch_in_python): 28 us a
+    forward over SmolLM2's 30 layers' cache lists; a one-token step took 6.32 ms without it
+    against 6.37 ms (medians of 80 runs of 25, alternated in one process, AVX2 VM). This path runs
+    eagerly only (step_fits), where no such placeholder exists."""
+    ops = torch.ops.eaglespec_layer
+    overload = (ops.sandwich_decoder if sandwich else ops.decoder).default
     return getattr(overload, "_op", overload)  # a torch without `_op`: the wrapper
 
 
 def forward_decoder(
     stack: StackArgs,
     tail: LogitsArgs,
-    x: torch.Tensor,  # (B, T, C) the embedded input
+    x: torch.Tensor,  # (B, T, C) the embedded input (Gemma's scaled)
     positions: torch.Tensor,  # (B, T) int64
     k_layers: list[torch.Tensor],  # L x (B, Hkv, S, D), written
     v_layers: list[torch.Tensor],
     plan: CachePlan,
     capture: tuple[int, ...],
     logit_index: torch.Tensor | None,  # (B, T') or None
+    local: tuple[torch.Tensor | None, CachePlan] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Transformer.body from the embedding on in one call: (B, T', V) fp32 logits and the state
-    at each captured boundary."""
+    at each captured boundary. A Gemma 3 decoder (`stack.sandwich`) takes `local`: its sliding
+    layers' RoPE frequencies (None: the others') and plan (cache.sliding_plan: plan's keys, a
+    mask of its own)."""
     norm, lm_head, bits, vocab = tail.tail
-    out: list[torch.Tensor] = _decoder_op()(
-        x,
-        positions,
-        tail.inv_freq,
+    lead = (x, positions, tail.inv_freq)
+    rest = (plan.slots, plan.num_keys, plan.mask)
+    if stack.sandwich:
+        inv_freq_local, local_plan = local if local is not None else (None, plan)
+        lead, rest = (*lead, inv_freq_local), (*rest, local_plan.mask)
+    out: list[torch.Tensor] = _decoder_op(stack.sandwich)(
+        *lead,
         stack.layers,
         k_layers,
         v_layers,
-        plan.slots,
-        plan.num_keys,
-        plan.mask,
-        list(capture),
-        norm,
-        logit_index,
-        lm_head,
-        bits,
-        vocab,
-    )
-    return out[0], out[1:]
-
-
-@functools.cache
-def _sandwich_decoder_op() -> Callable[..., list[torch.Tensor]]:
-    """The sandwich_decoder op's C++ entry, past its Python wrapper (as _decoder_op)."""
-    overload = torch.ops.eaglespec_layer.sandwich_decoder.default
-    return getattr(overload, "_op", overload)
-
-
-def forward_sandwich_decoder(
-    stack: StackArgs,
-    tail: LogitsArgs,
-    inv_freq_local: torch.Tensor | None,  # (D/2,) fp32 the sliding layers' RoPE, else None
-    x: torch.Tensor,  # (B, T, C) the embedded, scaled input
-    positions: torch.Tensor,  # (B, T) int64
-    k_layers: list[torch.Tensor],  # L x (B, Hkv, S, D), written
-    v_layers: list[torch.Tensor],
-    plan: CachePlan,
-    local_plan: CachePlan,  # the sliding layers' (cache.sliding_plan): plan's keys, its own mask
-    capture: tuple[int, ...],
-    logit_index: torch.Tensor | None,  # (B, T') or None
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Transformer.body of a Gemma 3 decoder from the embedding on in one call: (B, T', V) fp32
-    logits and the state at each captured boundary."""
-    norm, lm_head, bits, vocab = tail.tail
-    out: list[torch.Tensor] = _sandwich_decoder_op()(
-        x,
-        positions,
-        tail.inv_freq,
-        inv_freq_local,
-        stack.layers,
-        k_layers,
-        v_layers,
-        plan.slots,
-        plan.num_keys,
-        plan.mask,
-        local_plan.mask,
+        *rest,
         list(capture),
         norm,
         logit_index,

@@ -247,14 +247,9 @@ class Transformer(nn.Module):
             assert cfg.sliding_window is not None
             local_plan = sliding_plan(plan, positions, cfg.sliding_window)
         if stack is not None and tail is not None:  # the rest of the forward in one call
-            if stack.sandwich:
-                return cpu_layer.forward_sandwich_decoder(
-                    stack, tail, self.inv_freq_local, x, positions, list(k_layers),
-                    list(v_layers), plan, local_plan, capture, logit_index,
-                )  # fmt: skip
             return cpu_layer.forward_decoder(
                 stack, tail, x, positions, list(k_layers), list(v_layers), plan, capture,
-                logit_index,
+                logit_index, (self.inv_freq_local, local_plan),
             )  # fmt: skip
         rope = rope_cos_sin(positions, self.inv_freq, self.dtype)
         local_rope = rope

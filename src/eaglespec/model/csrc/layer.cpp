@@ -401,6 +401,33 @@ struct Stack : torch::CustomClassHolder {
 
 namespace {
 
+// A decoder forward's results: out[0] its output, out[1 + c] the state at boundary capture[c]
+// (boundary b: the input of layer b, the output after the last layer at b = L).
+struct Captured {
+  at::IntArrayRef capture;
+  std::vector<at::Tensor> out;
+  explicit Captured(at::IntArrayRef capture) : capture(capture), out(1 + capture.size()) {}
+  bool wants(int64_t b) const {
+    for (const int64_t c : capture)
+      if (c == b) return true;
+    return false;
+  }
+  void keep(int64_t b, const at::Tensor& state) {
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == b) out[1 + c] = state;
+  }
+  // Where the layer ending at boundary b (of L) writes its output: a tensor of its own where it
+  // is kept past the forward (captured, or the last), else one of the two spares by turns, so
+  // never the layer's input.
+  at::Tensor output(int64_t b, int64_t L, const std::array<at::Tensor, 2>& spare, int& flip,
+                    at::IntArrayRef sizes, const at::TensorOptions& opts) const {
+    if (b == L || wants(b)) return at::empty(sizes, opts);
+    const at::Tensor& next = spare[flip];
+    flip ^= 1;
+    return next;
+  }
+};
+
 // Whether stack_forward runs a forward's layers through native_stack where it can, from now on
 // (`use_native_stack`, the default; it also needs `use_native`); layer by layer otherwise.
 std::atomic<bool> stack_wanted{true};
@@ -453,30 +480,16 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
   const at::TensorOptions opts = x.options();
   LayerBuffers buf(B, T_, H, Hkv, D, C, n_13, opts);
   const at::Tensor h = at::empty({R, C}, opts);
-  const at::Tensor spare[2] = {at::empty({B, T_, C}, opts), at::empty({B, T_, C}, opts)};
-  std::vector<at::Tensor> out(1 + capture.size());
-  auto captured = [&](int64_t b) {
-    for (const int64_t c : capture)
-      if (c == b) return true;
-    return false;
-  };
-  auto keep = [&](int64_t b, const at::Tensor& state) {
-    for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == b) out[1 + c] = state;
-  };
+  const std::array<at::Tensor, 2> spare = {at::empty({B, T_, C}, opts),
+                                           at::empty({B, T_, C}, opts)};
+  Captured res(capture);
   at::Tensor cur = x;
-  keep(0, cur);
+  res.keep(0, cur);
   int flip = 0;
   for (int64_t l = 0; l < L; ++l) {
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     norm_rows<T>(cur.data_ptr<T>(), s.attn_norms[l], h.data_ptr<T>(), R, C, s.eps);
-    at::Tensor next;
-    if (l + 1 == L || captured(l + 1)) {
-      next = at::empty({B, T_, C}, opts);  // kept past this forward
-    } else {
-      next = spare[flip];  // never `cur`: the spares take turns
-      flip ^= 1;
-    }
+    const at::Tensor next = res.output(l + 1, L, spare, flip, {B, T_, C}, opts);
     const auto& [b_qkv, b_o, b_13, b_2] = bits[l];
     native_count.fetch_add(1, std::memory_order_relaxed);
     native_rows<T>(buf, cur.data_ptr<T>(), h.data_ptr<T>(), C, s.mlp_norms[l], s.eps, s.wqkv[l],
@@ -484,10 +497,10 @@ std::vector<at::Tensor> native_stack(const at::Tensor& x, const Stack& s, const 
                    cos, sin, k_cache, v_cache, slots, num_keys, mask, s.q_norms.get(l),
                    s.k_norms.get(l), next.data_ptr<T>());
     cur = next;
-    keep(l + 1, cur);
+    res.keep(l + 1, cur);
   }
-  out[0] = cur;
-  return out;
+  res.out[0] = cur;
+  return res.out;
 }
 
 }  // namespace
@@ -517,22 +530,18 @@ std::vector<at::Tensor> stack_forward(const at::Tensor& x, const c10::intrusive_
     return native_stack<float>(x, s, cos, sin, k_caches, v_caches, slots, num_keys, mask,
                                capture);
   }
-  std::vector<at::Tensor> out(1 + capture.size());
-  auto keep = [&](int64_t b, const at::Tensor& state) {
-    for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == b) out[1 + c] = state;
-  };
+  Captured res(capture);
   at::Tensor h = x;
-  keep(0, h);
+  res.keep(0, h);
   for (int64_t l = 0; l < L; ++l) {
     h = layer_forward(h, s.attn_norms[l], s.mlp_norms[l], s.eps, s.wqkv[l], s.bqkv.get(l),
                       s.n_qkv, s.wo[l], s.bo.get(l), s.w13[l], s.b13.get(l), s.n_13, s.w2[l],
                       s.b2.get(l), cos, sin, k_caches[l], v_caches[l], slots, num_keys, mask,
                       s.num_heads, s.q_norms.get(l), s.k_norms.get(l));
-    keep(l + 1, h);
+    res.keep(l + 1, h);
   }
-  out[0] = h;
-  return out;
+  res.out[0] = h;
+  return res.out;
 }
 
 // The tables from the angles' sines and cosines (R, D/2): c = [cos, cos], s = [-sin, sin],
@@ -1004,23 +1013,14 @@ std::vector<at::Tensor> sandwich_stack(const at::Tensor& x, const SandwichStack&
     TORCH_CHECK(0 <= b && b <= L, "sandwich stack: capture boundary ", b, " outside [0, ", L,
                 "]");
   const int64_t B = x.size(0), T_ = x.size(1), C = x.size(2), H = s.num_heads;
-  std::vector<at::Tensor> out(1 + capture.size());
-  auto captured = [&](int64_t b) {
-    for (const int64_t c : capture)
-      if (c == b) return true;
-    return false;
-  };
-  auto keep = [&](int64_t b, const at::Tensor& state) {
-    for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == b) out[1 + c] = state;
-  };
+  Captured res(capture);
   const bool native = x.is_contiguous() && native_wanted.load(std::memory_order_relaxed) &&
                       L > 0 && stack_wanted.load(std::memory_order_relaxed);
   std::optional<SandwichBuffers> buf;
   std::array<at::Tensor, 2> spare;
   int flip = 0;
   at::Tensor cur = x;
-  keep(0, cur);
+  res.keep(0, cur);
   for (int64_t l = 0; l < L; ++l) {
     const bool slides = s.sliding[l];
     const at::Tensor& c = slides ? lcos : cos;
@@ -1034,7 +1034,7 @@ std::vector<at::Tensor> sandwich_stack(const at::Tensor& x, const SandwichStack&
       cur = sandwich_forward(cur, s.norms[l], s.eps, s.wqkv[l], s.bits_qkv[l], s.n_qkv, s.wo[l],
                              s.bits_o[l], s.w13[l], s.bits_13[l], s.n_13, s.w2[l], s.bits_2[l],
                              c, sn, k_cache, v_cache, slots, num_keys, m, H, s.q_ratio);
-      keep(l + 1, cur);
+      res.keep(l + 1, cur);
       continue;
     }
     if (!buf.has_value()) {
@@ -1042,13 +1042,8 @@ std::vector<at::Tensor> sandwich_stack(const at::Tensor& x, const SandwichStack&
       buf.emplace(B, T_, H, Hkv, D, C, s.n_13, x.options());
       spare = {at::empty({B, T_, C}, x.options()), at::empty({B, T_, C}, x.options())};
     }
-    at::Tensor next;
-    if (l + 1 == L || captured(l + 1)) {
-      next = at::empty({B, T_, C}, x.options());  // kept past this forward
-    } else {
-      next = spare[flip];  // never `cur`: the spares take turns, other outputs are fresh
-      flip ^= 1;
-    }
+    // never `cur`: the spares take turns, and the ops' outputs are fresh
+    const at::Tensor next = res.output(l + 1, L, spare, flip, {B, T_, C}, x.options());
     const int b[4] = {int(s.bits_qkv[l]), int(s.bits_o[l]), int(s.bits_13[l]),
                       int(s.bits_2[l])};
     if (x.scalar_type() == at::kBFloat16)
@@ -1062,10 +1057,10 @@ std::vector<at::Tensor> sandwich_stack(const at::Tensor& x, const SandwichStack&
                            k_cache, v_cache, slots, num_keys, m, s.q_ratio,
                            next.data_ptr<float>());
     cur = next;
-    keep(l + 1, cur);
+    res.keep(l + 1, cur);
   }
-  out[0] = cur;
-  return out;
+  res.out[0] = cur;
+  return res.out;
 }
 
 }  // namespace
