@@ -371,9 +371,10 @@ at::Tensor layer_forward(const at::Tensor& x, const at::Tensor& attn_norm, const
 
 // A decoder's layers, held by the model's Python side (cpu_layer.StackArgs) and passed to the
 // stack and decoder ops as one object: each layer's norms, matrices (4-bit) and biases (None
-// without), q/k norms (None without: all layers or none), and what the layers share (eps, the
-// q/k/v and gate/up output sizes, the query heads). Passed as lists at every call, the 360-odd tensors of SmolLM2's 30 layers cost about
-// 0.4 ms of each decode step in their conversion to and from the dispatcher's values.
+// without), q/k norms (None without), and what the layers share (eps, the q/k/v and gate/up
+// output sizes, the query heads). Passed as lists at every call, the 360-odd tensors of
+// SmolLM2's 30 layers cost about 0.4 ms of each decode step in their conversion to and from the
+// dispatcher's values.
 struct Stack : torch::CustomClassHolder {
   std::vector<at::Tensor> attn_norms, mlp_norms, wqkv, wo, w13, w2;
   c10::List<std::optional<at::Tensor>> bqkv, bo, b13, b2, q_norms, k_norms;
@@ -687,7 +688,8 @@ bool head_inputs_fit(const at::Tensor& ids, const at::Tensor& g, const at::Tenso
     if ((w->scalar_type() != dt && w->scalar_type() != at::kFloat) || !w->is_contiguous() ||
         w->numel() != g.size(2))
       return false;
-  if (ids.scalar_type() != at::kLong || !ids.is_contiguous() || ids.numel() != g.size(0) * g.size(1))
+  if (ids.scalar_type() != at::kLong || !ids.is_contiguous() ||
+      ids.numel() != g.size(0) * g.size(1))
     return false;
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i)
@@ -1072,7 +1074,8 @@ std::vector<at::Tensor> sandwich_stack(const at::Tensor& x, const SandwichStack&
 // fp32 logits (B, T', V), then the captured states in capture's order.
 std::vector<at::Tensor> sandwich_decoder_forward(
     const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
-    const std::optional<at::Tensor>& inv_freq_local, const c10::intrusive_ptr<SandwichStack>& layers,
+    const std::optional<at::Tensor>& inv_freq_local,
+    const c10::intrusive_ptr<SandwichStack>& layers,
     at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots, int64_t num_keys,
     const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& local_mask,
     at::IntArrayRef capture, const at::Tensor& norm, const std::optional<at::Tensor>& logit_index,
