@@ -463,11 +463,8 @@ def _stack_build(model: nn.Module) -> StackArgs:
     first = args[0]
     shared = (first.norms[2], first.matrices[2], first.matrices[7], first.num_heads)
     alike = all((a.norms[2], a.matrices[2], a.matrices[7], a.num_heads) == shared for a in args)
-    # the forward op's matrices (wqkv, bqkv, N, wo, bo, w13, b13, N, w2, b2), each a list over
-    # the layers but the output sizes N (at 2 and 7), alike over the layers
-    cols = [list(c) for c in zip(*(a.matrices for a in args), strict=True)]
     norms = ([a.norms[0] for a in args], [a.norms[1] for a in args], first.norms[2])
-    matrices = tuple(first.matrices[i] if i in (2, 7) else cols[i] for i in range(10))
+    matrices = _stacked_matrices(args)
     extra = ([a.qk_norms[0] for a in args], [a.qk_norms[1] for a in args])  # q, k norms or None
     return StackArgs(
         norms=norms,
@@ -480,27 +477,34 @@ def _stack_build(model: nn.Module) -> StackArgs:
     )
 
 
+def _stacked_matrices(args: list[LayerArgs]) -> tuple[object, ...]:
+    """The layers' matrices as the stack ops take them: each of the ten (a llama Block's wqkv,
+    bqkv, N, wo, bo, w13, b13, N, w2, b2; a SandwichBlock's biases are bits) a list over the
+    layers but the output sizes N (at 2 and 7), alike over the layers (the callers check)."""
+    cols = [list(c) for c in zip(*(a.matrices for a in args), strict=True)]
+    return tuple(args[0].matrices[i] if i in (2, 7) else cols[i] for i in range(10))
+
+
 def _sandwich_stack(args: list[LayerArgs], sliding: Sequence[bool], sources: Sources) -> StackArgs:
     """StackArgs over SandwichBlocks' LayerArgs (their norms ([six weights], eps); matrices
     (wqkv, bits, N, wo, bits, w13, bits, N, w2, bits))."""
     first = args[0]
     shared = (first.norms[1], first.matrices[2], first.matrices[7], first.num_heads)
-    alike = all(
+    fused = len(sliding) == len(args) and all(
         (a.norms[1], a.matrices[2], a.matrices[7], a.num_heads) == shared
         and a.q_ratio == first.q_ratio
         for a in args
     )
-    cols = [list(c) for c in zip(*(a.matrices for a in args), strict=True)]
     norms = ([w for a in args for w in a.norms[0]], first.norms[1])  # type: ignore[attr-defined]
-    matrices = tuple(first.matrices[i] if i in (2, 7) else cols[i] for i in range(10))
+    matrices = _stacked_matrices(args)
     extra = (first.q_ratio, [bool(s) for s in sliding])
     return StackArgs(
         norms=norms,
         matrices=matrices,
         num_heads=first.num_heads,
-        fused=alike and len(sliding) == len(args),
+        fused=fused,
         sources=Checks.of(sources),
-        layers=_bind(norms, matrices, first.num_heads, True, extra) if alike else None,
+        layers=_bind(norms, matrices, first.num_heads, True, extra) if fused else None,
         sandwich=True,
         extra=extra,
     )

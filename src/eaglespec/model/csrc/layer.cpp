@@ -110,12 +110,24 @@ std::atomic<bool> native_wanted{true};
 // tests read to know that the direct path, not the ops', gave the bits they compare.
 std::atomic<int64_t> native_count{0};
 
-// y (M, N) += b (N) as ATen adds two tensors of T: in fp32, rounded once to T.
+// y (n) = a (n) + b (n) as ATen adds two tensors of T: in fp32, rounded once to T.
+template <typename T>
+void add_rows(const T* a, const T* b, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
+// y (M, N) += b (N), each row as add_rows.
 template <typename T>
 void add_bias(T* y, const T* b, int64_t M, int64_t N) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n)
-      y[m * N + n] = static_cast<T>(static_cast<float>(y[m * N + n]) + static_cast<float>(b[n]));
+  for (int64_t m = 0; m < M; ++m) add_rows<T>(y + m * N, b, y + m * N, N);
+}
+
+// Whether a norm's weight w is one the norm kernel takes for rows of C values of dtype dt
+// (norm_rows): C values of dt or fp32, contiguous, on the CPU.
+bool norm_fits(const at::Tensor& w, at::ScalarType dt, int64_t C) {
+  return (w.scalar_type() == dt || w.scalar_type() == at::kFloat) && w.is_contiguous() &&
+         w.numel() == C && w.device().is_cpu();
 }
 
 // A matrix's bits (4 or 8, as w4a8-mixed stores it: its packed size tells), after linear's checks
@@ -157,12 +169,7 @@ void norm_heads(T* qkv, int64_t R, int64_t n_qkv, int64_t H, int64_t Hkv, int64_
 bool qk_fits(const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
              at::ScalarType dt, int64_t D) {
   if (q_norm.has_value() != k_norm.has_value()) return false;
-  for (const auto* w : {&q_norm, &k_norm})
-    if (w->has_value() && (((*w)->scalar_type() != dt && (*w)->scalar_type() != at::kFloat) ||
-                           !(*w)->is_contiguous() || (*w)->numel() != D ||
-                           !(*w)->device().is_cpu()))
-      return false;
-  return true;
+  return !q_norm.has_value() || (norm_fits(*q_norm, dt, D) && norm_fits(*k_norm, dt, D));
 }
 
 // native_rows' scratch for B x T rows: q/k/v, the rotated queries, attention's output,
@@ -265,15 +272,15 @@ bool native_fits(const at::Tensor& residual, const at::Tensor& h, const at::Tens
     return false;
   for (const at::Tensor* t : {&h, &cos, &sin, &k_cache, &v_cache})
     if (t->scalar_type() != dt || !t->device().is_cpu()) return false;
-  if (mlp_norm.scalar_type() != dt && mlp_norm.scalar_type() != at::kFloat) return false;
-  if (!residual.is_contiguous() || !h.is_contiguous() || !mlp_norm.is_contiguous()) return false;
+  if (!norm_fits(mlp_norm, dt, residual.size(2))) return false;
+  if (!residual.is_contiguous() || !h.is_contiguous()) return false;
   if (!cos.is_contiguous() || !sin.is_contiguous() || !slots.is_contiguous()) return false;
   if (slots.scalar_type() != at::kLong || k_cache.dim() != 4 || v_cache.dim() != 4) return false;
   if (k_cache.stride(3) != 1 || v_cache.stride(3) != 1 || k_cache.stride(1) != v_cache.stride(1))
     return false;
   const int64_t B = residual.size(0), T_ = residual.size(1), C = residual.size(2);
   const int64_t D = k_cache.size(3), S = k_cache.size(2);
-  if (n_13 % 2 != 0 || D % 32 != 0 || mlp_norm.numel() != C || num_heads % k_cache.size(1) != 0)
+  if (n_13 % 2 != 0 || D % 32 != 0 || num_heads % k_cache.size(1) != 0)
     return false;
   if (bqkv.has_value() && bqkv->numel() != (num_heads + 2 * k_cache.size(1)) * D) return false;
   if (k_cache.sizes() != v_cache.sizes() || k_cache.size(0) != B) return false;
@@ -442,10 +449,7 @@ bool stack_fits(const at::Tensor& x, const Stack& s, const at::Tensor& cos, cons
   if (!stack_wanted.load(std::memory_order_relaxed)) return false;
   if (L == 0 || !x.is_contiguous() || !x.device().is_cpu()) return false;
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor& w = s.attn_norms[l];
-    if ((w.scalar_type() != x.scalar_type() && w.scalar_type() != at::kFloat) ||
-        !w.is_contiguous() || w.numel() != x.size(2))
-      return false;
+    if (!norm_fits(s.attn_norms[l], x.scalar_type(), x.size(2))) return false;
     if (!native_fits(x, x, s.mlp_norms[l], s.wqkv[l], s.n_qkv, s.wo[l], s.w13[l], s.w2[l],
                      s.bqkv.get(l), s.bo.get(l), s.b13.get(l), s.b2.get(l), cos, sin, k_caches[l],
                      v_caches[l], slots, num_keys, mask, s.num_heads, s.n_13) ||
@@ -608,8 +612,9 @@ at::Tensor native_logits(const at::Tensor& x, const std::optional<at::Tensor>& l
   const int64_t B = x.size(0), T_ = x.size(1), C = x.size(2);
   const int64_t Tp = logit_index.has_value() ? logit_index->size(1) : T_, M = B * Tp;
   const T* xp = x.data_ptr<T>();
-  at::Tensor rows = at::empty({M, C}, x.options());  // the picked rows, then normed in place
+  at::Tensor rows = at::empty({M, C}, x.options());  // the picked rows, then normed (in place)
   T* yp = rows.data_ptr<T>();
+  const T* src = xp;  // the rows the output matrix reads
   if (logit_index.has_value()) {
     const int64_t* idx = logit_index->data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b)
@@ -617,12 +622,14 @@ at::Tensor native_logits(const at::Tensor& x, const std::optional<at::Tensor>& l
         const int64_t j = idx[b * Tp + t];  // in [0, T): logits_of checked
         std::copy(xp + (b * T_ + j) * C, xp + (b * T_ + j + 1) * C, yp + (b * Tp + t) * C);
       }
-  } else {
-    std::copy(xp, xp + M * C, yp);
+    src = yp;
   }
-  if (norm.has_value()) norm_rows<T>(yp, *norm, yp, M, C, eps);
+  if (norm.has_value()) {
+    norm_rows<T>(src, *norm, yp, M, C, eps);
+    src = yp;
+  }
   at::Tensor z = at::empty({M, vocab}, x.options());
-  kernels::w4a8_rows<T>(bits, yp, M, C, lm_head.data_ptr<uint8_t>(), vocab, z.data_ptr<T>(),
+  kernels::w4a8_rows<T>(bits, src, M, C, lm_head.data_ptr<uint8_t>(), vocab, z.data_ptr<T>(),
                         nullptr);
   if constexpr (std::is_same_v<T, float>) return z.view({B, Tp, vocab});
   at::Tensor out = at::empty({B, Tp, vocab}, x.options().dtype(at::kFloat));
@@ -642,8 +649,7 @@ at::Tensor logits_of(const at::Tensor& x, const std::optional<at::Tensor>& logit
   const bool direct =
       native_wanted.load(std::memory_order_relaxed) && x.dim() == 3 && x.is_contiguous() &&
       x.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16) &&
-      (!norm.has_value() || ((norm->scalar_type() == dt || norm->scalar_type() == at::kFloat) &&
-                             norm->is_contiguous() && norm->numel() == x.size(2))) &&
+      (!norm.has_value() || norm_fits(*norm, dt, x.size(2))) &&
       (!logit_index.has_value() ||
        (logit_index->scalar_type() == at::kLong && logit_index->is_contiguous() &&
         logit_index->dim() == 2 && logit_index->size(0) == x.size(0))) &&
@@ -684,10 +690,8 @@ bool head_inputs_fit(const at::Tensor& ids, const at::Tensor& g, const at::Tenso
   if (embed.scalar_type() != dt || !embed.is_contiguous() || embed.dim() != 2 ||
       embed.size(1) != g.size(2) || !embed.device().is_cpu())
     return false;
-  for (const at::Tensor* w : {&input_norm, &hidden_norm})
-    if ((w->scalar_type() != dt && w->scalar_type() != at::kFloat) || !w->is_contiguous() ||
-        w->numel() != g.size(2))
-      return false;
+  if (!norm_fits(input_norm, dt, g.size(2)) || !norm_fits(hidden_norm, dt, g.size(2)))
+    return false;
   if (ids.scalar_type() != at::kLong || !ids.is_contiguous() ||
       ids.numel() != g.size(0) * g.size(1))
     return false;
@@ -771,10 +775,9 @@ std::vector<at::Tensor> head_forward(
                             v_cache, slots, num_keys, mask, num_heads, std::nullopt, std::nullopt);
   if (feed_normed && final_norm.has_value()) {
     const auto dt = x.scalar_type();
-    if (x.is_contiguous() && final_norm->is_contiguous() && final_norm->numel() == C &&
-        (final_norm->scalar_type() == dt || final_norm->scalar_type() == at::kFloat) &&
-        native_wanted.load(std::memory_order_relaxed)) {
-      at::Tensor y = at::empty_like(x);
+    if (x.is_contiguous() && (dt == at::kFloat || dt == at::kBFloat16) &&
+        norm_fits(*final_norm, dt, C) && native_wanted.load(std::memory_order_relaxed)) {
+      at::Tensor y = at::empty_like(x);  // the rms_norm op's kernel, called directly
       if (dt == at::kBFloat16)
         norm_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), *final_norm,
                                 y.data_ptr<at::BFloat16>(), B * T, C, eps);
@@ -807,13 +810,6 @@ std::vector<at::Tensor> decoder_forward(
 }
 
 namespace {
-
-// y (n) = a (n) + b (n) as ATen adds two tensors of T: in fp32, rounded once to T.
-template <typename T>
-void add_rows(const T* a, const T* b, T* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    y[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
-}
 
 // sandwich_rows' scratch for B x T rows beyond LayerBuffers': the attention norm's output (and
 // later a matrix's, before its norm), and GELU-tanh of the gate.
@@ -867,6 +863,26 @@ void sandwich_rows(SandwichBuffers& sb, const T* x, at::TensorList norms, double
   add_rows<T>(x1, h, out, R * C);
 }
 
+// sandwich_rows for x (B, T, C) of bf16 or fp32, contiguous, into out (B, T, C); each matrix at
+// the bits it is given as (sandwich_fits checked them).
+void sandwich_into(SandwichBuffers& buf, const at::Tensor& x, at::TensorList norms, double eps,
+                   const at::Tensor& wqkv, int64_t bits_qkv, int64_t n_qkv, const at::Tensor& wo,
+                   int64_t bits_o, const at::Tensor& w13, int64_t bits_13, int64_t n_13,
+                   const at::Tensor& w2, int64_t bits_2, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const at::Tensor& slots, int64_t num_keys,
+                   const std::optional<at::Tensor>& mask, double q_ratio, const at::Tensor& out) {
+  const int b[4] = {int(bits_qkv), int(bits_o), int(bits_13), int(bits_2)};
+  if (x.scalar_type() == at::kBFloat16)
+    sandwich_rows<at::BFloat16>(buf, x.data_ptr<at::BFloat16>(), norms, eps, wqkv, b[0], n_qkv,
+                                wo, b[1], w13, b[2], n_13, w2, b[3], cos, sin, k_cache, v_cache,
+                                slots, num_keys, mask, q_ratio, out.data_ptr<at::BFloat16>());
+  else
+    sandwich_rows<float>(buf, x.data_ptr<float>(), norms, eps, wqkv, b[0], n_qkv, wo, b[1], w13,
+                         b[2], n_13, w2, b[3], cos, sin, k_cache, v_cache, slots, num_keys, mask,
+                         q_ratio, out.data_ptr<float>());
+}
+
 // Whether sandwich_rows takes this layer: what native_fits asks of a layer without biases (with
 // the MLP's norm for its norm), every norm's weight in x's dtype or fp32, contiguous and of its
 // size (C, or D for the q and k norms), and each matrix stored at the bits it is given as.
@@ -882,12 +898,8 @@ bool sandwich_fits(const at::Tensor& x, at::TensorList norms, const at::Tensor& 
                    k_cache, v_cache, slots, num_keys, mask, num_heads, n_13))
     return false;
   const int64_t C = x.size(2), D = k_cache.size(3);
-  for (size_t i = 0; i < norms.size(); ++i) {
-    const at::Tensor& w = norms[i];
-    if ((w.scalar_type() != x.scalar_type() && w.scalar_type() != at::kFloat) ||
-        !w.is_contiguous() || w.numel() != (i == 1 || i == 2 ? D : C))
-      return false;
-  }
+  for (size_t i = 0; i < norms.size(); ++i)
+    if (!norm_fits(norms[i], x.scalar_type(), i == 1 || i == 2 ? D : C)) return false;
   return kernels::packed_bits(wqkv, C, n_qkv) == bits_qkv &&
          kernels::packed_bits(wo, num_heads * D, C) == bits_o &&
          kernels::packed_bits(w13, C, n_13) == bits_13 &&
@@ -919,16 +931,9 @@ at::Tensor sandwich_forward(const at::Tensor& x, at::TensorList norms, double ep
   if (sandwich_fits(x, norms, wqkv, bits_qkv, n_qkv, wo, bits_o, w13, bits_13, n_13, w2, bits_2,
                     cos, sin, k_cache, v_cache, slots, num_keys, mask, num_heads)) {
     SandwichBuffers buf(B, T, H, Hkv, D, C, n_13, x.options());
-    at::Tensor out = at::empty({B, T, C}, x.options());
-    const int b[4] = {int(bits_qkv), int(bits_o), int(bits_13), int(bits_2)};
-    if (x.scalar_type() == at::kBFloat16)
-      sandwich_rows<at::BFloat16>(buf, x.data_ptr<at::BFloat16>(), norms, eps, wqkv, b[0], n_qkv,
-                                  wo, b[1], w13, b[2], n_13, w2, b[3], cos, sin, k_cache, v_cache,
-                                  slots, num_keys, mask, q_ratio, out.data_ptr<at::BFloat16>());
-    else
-      sandwich_rows<float>(buf, x.data_ptr<float>(), norms, eps, wqkv, b[0], n_qkv, wo, b[1], w13,
-                           b[2], n_13, w2, b[3], cos, sin, k_cache, v_cache, slots, num_keys,
-                           mask, q_ratio, out.data_ptr<float>());
+    const at::Tensor out = at::empty({B, T, C}, x.options());
+    sandwich_into(buf, x, norms, eps, wqkv, bits_qkv, n_qkv, wo, bits_o, w13, bits_13, n_13, w2,
+                  bits_2, cos, sin, k_cache, v_cache, slots, num_keys, mask, q_ratio, out);
     return out;
   }
   auto linear = [](const at::Tensor& x2, const at::Tensor& w, int64_t bits, int64_t N) {
@@ -1046,18 +1051,9 @@ std::vector<at::Tensor> sandwich_stack(const at::Tensor& x, const SandwichStack&
     }
     // never `cur`: the spares take turns, and the ops' outputs are fresh
     const at::Tensor next = res.output(l + 1, L, spare, flip, {B, T_, C}, x.options());
-    const int b[4] = {int(s.bits_qkv[l]), int(s.bits_o[l]), int(s.bits_13[l]),
-                      int(s.bits_2[l])};
-    if (x.scalar_type() == at::kBFloat16)
-      sandwich_rows<at::BFloat16>(*buf, cur.data_ptr<at::BFloat16>(), s.norms[l], s.eps,
-                                  s.wqkv[l], b[0], s.n_qkv, s.wo[l], b[1], s.w13[l], b[2], s.n_13,
-                                  s.w2[l], b[3], c, sn, k_cache, v_cache, slots, num_keys, m,
-                                  s.q_ratio, next.data_ptr<at::BFloat16>());
-    else
-      sandwich_rows<float>(*buf, cur.data_ptr<float>(), s.norms[l], s.eps, s.wqkv[l], b[0],
-                           s.n_qkv, s.wo[l], b[1], s.w13[l], b[2], s.n_13, s.w2[l], b[3], c, sn,
-                           k_cache, v_cache, slots, num_keys, m, s.q_ratio,
-                           next.data_ptr<float>());
+    sandwich_into(*buf, cur, s.norms[l], s.eps, s.wqkv[l], s.bits_qkv[l], s.n_qkv, s.wo[l],
+                  s.bits_o[l], s.w13[l], s.bits_13[l], s.n_13, s.w2[l], s.bits_2[l], c, sn,
+                  k_cache, v_cache, slots, num_keys, m, s.q_ratio, next);
     cur = next;
     res.keep(l + 1, cur);
   }
