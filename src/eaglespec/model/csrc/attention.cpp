@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -252,6 +253,14 @@ ATTN_TARGET void value_rows(const float* const* p, const float* inv_total, const
 // same exp-sum (attended keys packed in order are then the keys themselves) and the same value
 // sum, bit for bit, without visiting the masked tail.
 int64_t prefix_keys(const bool* mask, int64_t stride, int64_t K) {
+  if (stride == 1) {  // a causal prefill's rows: memchr's and a vectorised OR's speed
+    const void* end = std::memchr(mask, 0, K);  // a bool tensor holds bytes 0 and 1
+    const int64_t n = end == nullptr ? K : static_cast<const bool*>(end) - mask;
+    const auto* bytes = reinterpret_cast<const uint8_t*>(mask);
+    uint8_t any = 0;
+    for (int64_t j = n; j < K; ++j) any |= bytes[j];
+    return any ? -1 : n;
+  }
   int64_t n = 0;
   while (n < K && mask[n * stride]) ++n;
   for (int64_t j = n; j < K; ++j)
@@ -290,6 +299,37 @@ EAGLESPEC_AVX2_TARGET float score_key_avx2(const avx2::F16 (&qv)[C], const T* kj
   return avx2::reduce_add(acc) * scale;
 }
 
+// The scores of 8 consecutive keys (`k` at `k_stride`), score_key_avx2's bits for each: every
+// key's products and FMA chains as there, then avx2::reduce_add's tree (lanes i + i+8, + i+4,
+// + i+2, + i+1) run on the 8 keys at once, three shuffle-and-add levels of 256-bit vectors (a
+// key's tree alone ends in 128-bit and scalar adds, the same additions), then the scale. Pairs
+// (j, j+4) share a vector from the second level on, so the sums land in key order. Measured
+// (benchmarks/attention_ab.py, session 61): attention over 2-8 rows and 512-2,048 keys
+// 0.85-0.96x the time of scoring key by key, a prefill's 0.74-0.91x.
+template <typename T, int C>
+EAGLESPEC_AVX2_TARGET inline __attribute__((always_inline)) __m256 score8_avx2(
+    const avx2::F16 (&qv)[C], const T* k, int64_t k_stride, float scale) {
+  __m256 t[8];  // key j's lanes i + i+8
+  for (int j = 0; j < 8; ++j) {
+    const T* kj = k + j * k_stride;
+    avx2::F16 acc = avx2::mul(qv[0], avx2::load(kj));
+    for (int c = 1; c < C; ++c) acc = avx2::fmadd(qv[c], avx2::load(kj + 16 * c), acc);
+    t[j] = _mm256_add_ps(acc.hi, acc.lo);
+  }
+  __m256 p[4];  // + i+4: key j's 4 sums in the low 128 bits, key j+4's in the high
+  for (int j = 0; j < 4; ++j)
+    p[j] = _mm256_add_ps(_mm256_permute2f128_ps(t[j], t[j + 4], 0x31),
+                         _mm256_permute2f128_ps(t[j], t[j + 4], 0x20));
+  __m256 q[2];  // + i+2: per 128 bits, keys 2r's and 2r+1's two sums (r = 0, 1; +4 above)
+  for (int r = 0; r < 2; ++r)
+    q[r] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * r], p[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(p[2 * r], p[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + i+1: keys 0-3 in the low 128 bits, 4-7 in the high
+  const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_mul_ps(e, _mm256_set1_ps(scale));
+}
+
 // exp_normalize on AVX2.
 EAGLESPEC_AVX2_TARGET float exp_normalize_avx2(float* scores, int64_t K, float top,
                                                const bool* mask, int64_t mstride, float* packed) {
@@ -325,6 +365,38 @@ EAGLESPEC_AVX2_TARGET void store_out_avx2(const avx2::F16 (&acc)[C], float inv, 
   for (int d = 0; d < 16 * C; ++d) out[d] = static_cast<T>(row[d]);
 }
 
+// A bf16 row's value sums, out = sum_j p[j] v[j] * inv rounded to bf16: value_rows' bits with
+// half its widening. Each 16 values of v are widened with one shift and one AND (the even
+// dimensions, then the odd) instead of two loads, two zero-extensions and two shifts, summed
+// lane by lane over the keys in order as before, and put back in order once at the end: every
+// dimension's sum is the same chain of FMAs. Measured (benchmarks/attention_ab.py, session 61,
+// against the kernel before score8_avx2): a one-token step's attention over 512-2,048 keys
+// 0.83-0.84x the time with this and score8_avx2, 0.87-0.95x with score8_avx2 alone.
+template <int C>
+EAGLESPEC_AVX2_TARGET void value_bf16_avx2(const float* p, const at::BFloat16* v,
+                                           int64_t v_stride, int64_t K, float inv,
+                                           at::BFloat16* out) {
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 ev[C], od[C];  // chunk c's dimensions 16c + 2i and 16c + 2i + 1 in lane i
+  for (int c = 0; c < C; ++c) ev[c] = od[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < K; ++j) {
+    if (p[j] == 0.0f) continue;  // masked (or underflowed): adds nothing, as value_rows
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const auto* vj = reinterpret_cast<const __m256i*>(v + j * v_stride);
+    for (int c = 0; c < C; ++c) {
+      const __m256i x = _mm256_loadu_si256(vj + c);
+      ev[c] = _mm256_fmadd_ps(pj, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), ev[c]);
+      od[c] = _mm256_fmadd_ps(pj, _mm256_castsi256_ps(_mm256_and_si256(x, odd)), od[c]);
+    }
+  }
+  avx2::F16 acc[C];
+  for (int c = 0; c < C; ++c) {  // lanes back in order: dimensions 0-7, then 8-15
+    const __m256 lo = _mm256_unpacklo_ps(ev[c], od[c]), hi = _mm256_unpackhi_ps(ev[c], od[c]);
+    acc[c] = {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+  }
+  store_out_avx2<at::BFloat16, C>(acc, inv, out);
+}
+
 // One query row over its first K keys (`mask`: the row's, or null), out = its attention.
 template <typename T, int C>
 EAGLESPEC_AVX2_TARGET void row_avx2(const T* q, const T* k, int64_t k_stride, const T* v,
@@ -334,7 +406,26 @@ EAGLESPEC_AVX2_TARGET void row_avx2(const T* q, const T* k, int64_t k_stride, co
   for (int c = 0; c < C; ++c) qv[c] = avx2::load(q + 16 * c);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float top = neg_inf;
-  for (int64_t j = 0; j < K; ++j) {
+  int64_t j = 0;
+  __m256 top8 = _mm256_set1_ps(neg_inf);  // a max in any order is the same max
+  for (; j + 8 <= K; j += 8) {
+    const __m256 s = score8_avx2<T, C>(qv, k + j * k_stride, k_stride, scale);
+    _mm256_storeu_ps(scores + j, s);
+    if (mask == nullptr) {
+      top8 = _mm256_max_ps(top8, s);
+      continue;
+    }
+    for (int64_t i = j; i < j + 8; ++i) {  // masked keys were scored too: dropped
+      if (!mask[i * mstride])
+        scores[i] = neg_inf;
+      else
+        top = std::max(top, scores[i]);
+    }
+  }
+  alignas(32) float tops[8];
+  _mm256_store_ps(tops, top8);
+  for (int m = 0; m < 8; ++m) top = std::max(top, tops[m]);
+  for (; j < K; ++j) {
     if (mask != nullptr && !mask[j * mstride]) {
       scores[j] = neg_inf;
       continue;
@@ -344,6 +435,10 @@ EAGLESPEC_AVX2_TARGET void row_avx2(const T* q, const T* k, int64_t k_stride, co
     top = std::max(top, s);
   }
   const float inv = exp_normalize_avx2(scores, K, top, mask, mstride, packed);
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    value_bf16_avx2<C>(scores, v, v_stride, K, inv, out);
+    return;
+  }
   avx2::F16 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = avx2::zero();
   for (int64_t j = 0; j < K; ++j) {
@@ -391,7 +486,18 @@ EAGLESPEC_AVX2_TARGET void rows_avx2(const T* const* q, const T* k, int64_t k_st
     for (int i = 0; i < R; ++i) {
       avx2::F16 qv[C];
       for (int c = 0; c < C; ++c) qv[c] = avx2::load(q[i] + 16 * c);
-      for (int64_t j = 0; j < std::min(nb, n[i] - j0); ++j) {
+      const int64_t here = std::min(nb, n[i] - j0);
+      int64_t j = 0;
+      __m256 top8 = _mm256_set1_ps(top[i]);  // a max in any order is the same max
+      for (; j + 8 <= here; j += 8) {
+        const __m256 s = score8_avx2<float, C>(qv, kb + j * C * 16, C * 16, scale);
+        _mm256_storeu_ps(scores[i] + j0 + j, s);
+        top8 = _mm256_max_ps(top8, s);
+      }
+      alignas(32) float tops[8];
+      _mm256_store_ps(tops, top8);
+      for (int m = 0; m < 8; ++m) top[i] = std::max(top[i], tops[m]);
+      for (; j < here; ++j) {
         const float s = score_key_avx2<float, C>(qv, kb + j * C * 16, scale);
         scores[i][j0 + j] = s;
         top[i] = std::max(top[i], s);
@@ -456,11 +562,21 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const bool* mask;
     int64_t keys;
   };
+  // The keys each mask row (b, t) attends as a prefix (prefix_keys), found once for the query
+  // heads that share it: a 1,024-token prefill scanned each row's mask once per query head,
+  // byte by byte, 5% of its time (session 61).
+  std::vector<int64_t> prefix;
+  if (mp != nullptr) {
+    prefix.resize(B * T_);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T_; ++t)
+        prefix[b * T_ + t] = prefix_keys(mp + b * mb + t * mt, mj, K);
+  }
   auto row_at = [&](int64_t r, int64_t b, int64_t g) -> RowAt {
     const int64_t t = (r % per_head) / G, h = g * G + (r % per_head) % G;
     const bool* row_mask = mp == nullptr ? nullptr : mp + b * mb + t * mt;
     return {qp + b * qs.b + h * qs.h + t * qs.r, op + ((b * T_ + t) * H + h) * 16 * C, row_mask,
-            row_mask == nullptr ? K : prefix_keys(row_mask, mj, K)};
+            row_mask == nullptr ? K : prefix[b * T_ + t]};
   };
   if (avx2_on()) {  // unmasked rows of a KV head up to kShareRows at a time share the keys'
                     // widening (rows_avx2), a tree's rows alone (row_avx2)
@@ -484,7 +600,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       float* prow[kShareRows];
       int64_t n[kShareRows];
       for (int64_t u = u0; u < u1; ++u) {
-        const int64_t head = u / groups, i = u % groups, b = head / Hkv, g = head % Hkv;
+        // A head's groups taken first, last, second, second to last ...: a causal prefill's
+        // later rows attend more keys, and a static split of the groups in order gave one of two
+        // threads 1.4x the other's keys (the other then waited, 11% of a 1,024-token prefill's
+        // attention, session 61). Which rows make a group is the same either way.
+        const int64_t head = u / groups, z = u % groups, b = head / Hkv, g = head % Hkv;
+        const int64_t i = z % 2 == 0 ? z / 2 : groups - 1 - z / 2;
         const int64_t s0 = head * per_head + i * per_head / groups;
         const int64_t s1 = head * per_head + (i + 1) * per_head / groups;
         const T* kg = kp + b * ks.b + g * ks.h;
