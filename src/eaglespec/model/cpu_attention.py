@@ -37,6 +37,11 @@ AVX2 (x86-64-v3, csrc/simd16_avx2.h): 16 lanes held in two 8-lane registers, the
 operations lane for lane and the reductions in the AVX-512 order, so the same bits; 4-8 rows of a
 KV head share each block's widening, fewer rows and a tree's rows go alone
 (`torch.ops.eaglespec_attention.use_avx2(True)` asks for it where AVX-512 runs; tests compare).
+There keys are scored 8 at a time (reduce_add's tree on 8 keys' registers at once), a lone bf16
+row's values widened by shift and AND (even and odd dimensions, put back in order at the end),
+each mask row's prefix found once for the heads that share it, and a causal prefill's groups
+split zigzag between the threads (session 61: attention 0.83-0.98x the time of key by key, a
+1,024-token prefill's 0.69-0.86x; BENCHMARKS.md).
 Needs AVX-512 (F, BW, VL) or AVX2 with FMA and F16C; `available()` says why not where it cannot
 run, and `attend` then falls back to PyTorch's attention.
 """
