@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglespec.cache import CAUSAL_BAND, KVCache, attention_mask, compact_order
+from eaglespec.cache import KVCache, attention_mask, compact_order
 
 
 def _cache(batch: int = 2, capacity: int = 16) -> KVCache:
@@ -99,31 +99,6 @@ def test_attention_mask_prefix_causal_and_padding() -> None:
     assert m is not None and m.shape == (2, 1, 2, 4)
     assert m[0, 0].int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
     assert m[1, 0].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
-
-
-def test_a_chains_causal_mask_is_a_view_of_the_band_with_attention_masks_values() -> None:
-    """Uniform rows, a chain of T new tokens: plan's mask is a view of the cache's band (no
-    allocation a round) holding attention_mask's values, at every length and T up to the band;
-    longer chains, ragged rows and trees still get attention_mask's own."""
-    cache = _cache(batch=3, capacity=80)
-    for length in (1, 2, 9, 40, 80 - CAUSAL_BAND):
-        for T in (2, 3, 7, CAUSAL_BAND):
-            if length + T > cache.capacity:
-                continue
-            cache.lengths = [length] * 3
-            mask = cache.plan(T).mask
-            want = attention_mask(cache.lengths, T, None, torch.device("cpu"))
-            assert mask is not None and want is not None and torch.equal(mask, want), (length, T)
-            assert cache.causal_band is not None
-            band_storage = cache.causal_band.untyped_storage().data_ptr()
-            assert mask.untyped_storage().data_ptr() == band_storage
-    band = cache.causal_band
-    cache.lengths = [3, 5, 5]
-    ragged = cache.plan(4).mask
-    assert ragged is not None and torch.equal(
-        ragged, attention_mask([3, 5, 5], 4, None, torch.device("cpu"))
-    )
-    assert cache.causal_band is band  # made once per cache
 
 
 def test_attention_mask_tree() -> None:

@@ -152,37 +152,27 @@ def _started(proposer: Eagle3Proposer, target: Transformer, seed: int):  # type:
     return proposer.start(prompts, torch.tensor([3, 4]), aux, [5, 3], 32)
 
 
-@pytest.mark.parametrize("kernel", [True, False])
 def test_min_prob_keeps_the_chain_prefix_some_row_is_sure_of(
-    target: Transformer, monkeypatch: pytest.MonkeyPatch, kernel: bool
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The gated chain is the ungated chain cut after the last draft j at which some row's
     product of pick probabilities p_1 .. p_j is still >= min_prob: the probabilities are read
-    here from the logits the ungated chain picks from, for bounds around every row's path.
-    With the draft pick's kernel (argmax, id map and log-probability in one call) and with its
-    ATen form alike."""
+    here from the logits the ungated chain picks from, for bounds around every row's path."""
     import eaglespec.draft.proposer as proposer_module
-    from eaglespec.model import cpu_rowops
 
-    if kernel and cpu_rowops.available() is not None:
-        pytest.skip(str(cpu_rowops.available()))
-    fits = cpu_rowops.draft_pick_fits if kernel else (lambda *args: False)
-    monkeypatch.setattr(proposer_module.cpu_rowops, "draft_pick_fits", fits)
     head = random_eagle3(target, seed=3)
     picked: list[torch.Tensor] = []
-    pick = proposer_module.pick_drafts
+    greedy = proposer_module.greedy_tokens
 
-    def recording(
-        logits: torch.Tensor, head: proposer_module.Eagle3Head, gated: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def recording(logits: torch.Tensor) -> torch.Tensor:
         picked.append(logits.float().softmax(-1).amax(-1))  # (B,)
-        return pick(logits, head, gated)
+        return greedy(logits)
 
-    with monkeypatch.context() as m:
-        m.setattr(proposer_module, "pick_drafts", recording)
-        full = Eagle3Proposer(head, (1, 3, 4)).propose(
-            _started(Eagle3Proposer(head, (1, 3, 4)), target, 0), 5
-        )
+    monkeypatch.setattr(proposer_module, "greedy_tokens", recording)
+    full = Eagle3Proposer(head, (1, 3, 4)).propose(
+        _started(Eagle3Proposer(head, (1, 3, 4)), target, 0), 5
+    )
+    monkeypatch.undo()
     paths = torch.stack(picked, 1).cumprod(1)  # (B, 5) product of the picks' probabilities
     best = paths.amax(0)  # (5,) the surest row's, non-increasing
     bounds = [float(best[0]) * 1.01, *(float(b) * 0.99 for b in best), 1e-12]

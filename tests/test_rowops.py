@@ -5,8 +5,6 @@ Skipped where the kernels cannot run (no AVX-512, no C++ compiler)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,40 +187,6 @@ def test_argmax_edge_values() -> None:
     )
     assert torch.equal(cpu_rowops.argmax(x), x.max(-1).indices)
     assert cpu_rowops.argmax(x).tolist() == [1, 0, 0, 3, 1]
-
-
-@pytest.mark.parametrize("shape", [(1, 8192), (3, 37), (2, 16), (4, 49152)])
-def test_draft_pick_is_argmax_the_id_map_and_log_softmax(shape: tuple[int, int]) -> None:
-    """Each row's first maximum mapped through d2t, and log_softmax's value there (to fp32
-    rounding: the kernel sums exp in its own order); ties pick the first maximum."""
-    gen = torch.Generator().manual_seed(sum(shape))
-    d2t = torch.randint(0, 1000, shape[-1:], generator=gen)
-    ties = torch.randint(0, 3, shape, generator=gen).float()
-    for x in (torch.randn(shape, generator=gen) * 4, ties):
-        ids, logprob = cpu_rowops.draft_pick(x, d2t)
-        first = x.max(-1).indices
-        assert torch.equal(ids, first + d2t[first])
-        assert logprob.dtype == torch.float32 and logprob.shape == shape[:1]
-        torch.testing.assert_close(logprob, x.log_softmax(-1).amax(-1), atol=1e-5, rtol=1e-5)
-
-
-def test_draft_pick_edge_values_and_bad_arguments() -> None:
-    """A single-entry row is sure (log-probability 0), a row with -inf entries ignores them, a
-    NaN row picks its first NaN; wrong dtypes and a map of another size are refused by name."""
-    nan, inf = float("nan"), float("inf")
-    x = torch.tensor([[3.0, -inf, -inf, 1.0], [0.0, nan, 2.0, nan]])
-    ids, logprob = cpu_rowops.draft_pick(x, torch.zeros(4, dtype=torch.long))
-    assert ids.tolist() == [0, 1]
-    assert math.isclose(float(logprob[0]), -math.log(1 + math.exp(-2.0)), rel_tol=1e-6)
-    assert math.isnan(float(logprob[1]))
-    one, sure = cpu_rowops.draft_pick(torch.tensor([[5.0]]), torch.tensor([7]))
-    assert one.tolist() == [7] and sure.tolist() == [0.0]
-    assert not cpu_rowops.draft_pick_fits(x.bfloat16(), torch.zeros(4, dtype=torch.long))
-    assert not cpu_rowops.draft_pick_fits(x, torch.zeros(5, dtype=torch.long))
-    with pytest.raises(RuntimeError, match="d2t must be a CPU int64 table"):
-        cpu_rowops.draft_pick(x, torch.zeros(5, dtype=torch.long))
-    with pytest.raises(RuntimeError, match="CPU fp32 \\(B, V\\) logits only"):
-        cpu_rowops.draft_pick(x.double(), torch.zeros(4, dtype=torch.long))
 
 
 def test_greedy_tokens_take_the_kernel_where_it_fits() -> None:

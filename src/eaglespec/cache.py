@@ -33,8 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-CAUSAL_BAND = 64  # the longest chain whose causal mask is a view (KVCache.causal_band)
-
 
 @dataclass(frozen=True, slots=True)
 class CachePlan:
@@ -62,11 +60,6 @@ class KVCache:
     # cache's life, so made once (three index tensors a forward cost 20 us, a twentieth of a
     # draft step).
     row_head_index: tuple[torch.Tensor, ...] = ()
-    # (CAUSAL_BAND, S) bool, made on first use: band[i, j] = j <= S - CAUSAL_BAND + i, so the
-    # causal mask of a chain's T <= CAUSAL_BAND tokens after a uniform prefix is a view of it
-    # (`causal_mask`): two slices where a verification's ones and tril took about 35 us warm and
-    # several times that straight after the target's forward (BENCHMARKS.md, session 61).
-    causal_band: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # select, not unbind: autograd forbids in-place writes to unbind's multi-output views
@@ -129,11 +122,7 @@ class KVCache:
         self.check_room(num_new)
         slots = self.write_slots(num_new)
         prefix_free = new_mask is None and max(self.lengths) == 0
-        mask: torch.Tensor | None
-        if new_mask is None and 1 < num_new <= CAUSAL_BAND and self.uniform and not prefix_free:
-            mask = self.causal_mask(num_new)  # a chain's verification: a view of the band
-        else:
-            mask = attention_mask(self.lengths, num_new, new_mask, self.k.device)
+        mask = attention_mask(self.lengths, num_new, new_mask, self.k.device)
         if prefix_free and num_new > 1 and self.k.device.type == "cpu":
             # eaglespec's CPU attention takes a prefill as masked rows onto the cache, each
             # computed as a one-token step at its position would be (layers.cached_attention):
@@ -147,18 +136,6 @@ class KVCache:
             mask=mask,
             prefix_free=prefix_free,
         )
-
-    def causal_mask(self, num_new: int) -> torch.Tensor:
-        """(B, 1, T, K) bool, K = length + T, every row `length` long: token t sees slots
-        0 .. length + t, attention_mask's causal chain as a view of `causal_band`."""
-        S, T = self.capacity, num_new
-        if self.causal_band is None:
-            i = torch.arange(CAUSAL_BAND, device=self.k.device)[:, None]
-            j = torch.arange(S, device=self.k.device)[None, :]
-            self.causal_band = j <= S - CAUSAL_BAND + i  # (CAUSAL_BAND, S)
-        K = self.lengths[0] + T
-        rows = self.causal_band[CAUSAL_BAND - T :, S - K :]  # row t: j <= K - T + t
-        return rows.expand(self.batch, 1, T, K)
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """k_new, v_new (B, Hkv, T, D) written at each row's next T slots."""

@@ -29,7 +29,6 @@ from eaglespec.cache import KVCache
 from eaglespec.config import TreeConfig
 from eaglespec.draft.eagle3 import DraftOutput, Eagle3Head
 from eaglespec.errors import InvalidRequestError
-from eaglespec.model import cpu_rowops
 from eaglespec.sampling import greedy_tokens
 from eaglespec.tree import DraftTree, build_tree
 
@@ -187,9 +186,8 @@ class Eagle3Proposer:
         committed = list(state.cache.lengths)
         B, dev = len(committed), state.logits.device
         logits, hidden = state.logits, state.prenorm  # (B, Vd), (B, C)
-        gated = self.min_prob > 0
-        # each row's log-probability of its chain so far, on the host, where chains stop on doubt
-        path = [0.0] * B
+        # (B,) log-probability of each row's chain so far, where chains stop on doubt
+        path = torch.zeros(B, device=dev) if self.min_prob > 0 else None
         drafts: list[torch.Tensor] = []
         while len(drafts) < k:
             if drafts:  # one head step on the last draft
@@ -199,18 +197,15 @@ class Eagle3Proposer:
                 )
                 state.cache.advance([1] * B)
                 logits, hidden = out.logits[:, -1], out.prenorm[:, -1]
-            picked, logprob = pick_drafts(logits, self.head, gated)  # (B,), (B,) or None
-            if logprob is not None:
-                # sync: the host decides the chain's length
-                path = [p + g for p, g in zip(path, logprob.tolist(), strict=True)]
-                if not any(p >= math.log(self.min_prob) for p in path):
+            if path is not None:
+                path = path + logits.float().log_softmax(-1).amax(-1)
+                sure = path >= math.log(self.min_prob)
+                if not bool(sure.any()):  # sync: the host decides the chain's length
                     break
-            drafts.append(picked)
+            drafts.append(self.head.to_target(greedy_tokens(logits)))  # (B,)
         state.cache.truncate(committed)
         if not drafts:
             return torch.empty(B, 0, dtype=torch.long, device=dev)
-        if len(drafts) == 1:  # a chain of one (the adaptive default's most common): a view
-            return drafts[0][:, None]
         return torch.stack(drafts, dim=1)
 
     def propose_tree(self, state: DraftState, roots: torch.Tensor, shape: TreeConfig) -> DraftTree:
@@ -259,21 +254,6 @@ class Eagle3Proposer:
             ancestors = torch.cat([picked, torch.nn.functional.one_hot(slot, K).bool()], -1)
         state.cache.truncate(committed)
         return _rerank(roots, scores, tokens, parents, shape)
-
-
-def pick_drafts(
-    logits: torch.Tensor,  # (B, Vd) the head's logits over its draft vocabulary
-    head: Eagle3Head,
-    gated: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's greedy draft as a target-vocabulary id (B,), and, where chains stop on doubt
-    (`gated`), its log-probability under the head (B,) fp32, else None. On the CPU one kernel
-    call (cpu_rowops.draft_pick); elsewhere argmax, the id map and log_softmax's maximum."""
-    if cpu_rowops.draft_pick_fits(logits, head.d2t):
-        picked, logprob = cpu_rowops.draft_pick(logits, head.d2t)
-        return picked, logprob if gated else None
-    picked = head.to_target(greedy_tokens(logits))
-    return picked, logits.float().log_softmax(-1).amax(-1) if gated else None
 
 
 def _rerank(

@@ -15,9 +15,6 @@ is about a dozen ops a layer (slices, the rotation's products and roll, transpos
 `index_put`s). It rounds as those eager ops do (each product and the sum to the model dtype), so
 its bits are theirs (tested).
 
-`draft_pick` is a draft step's argmax, its map to the target's vocabulary and the pick's
-log-probability (the stop-on-doubt gate's) in one call, where they were seven ATen ops.
-
 `argmax` is torch.max(x, -1).indices for fp32 rows (the first maximum; a NaN counts as the
 maximum), in one call: over SmolLM2's 49,152 logits 9 against 57 us for one row, 13 against 84 us
 for a verification's two (2 threads, session 27).
@@ -105,28 +102,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x (..., V) fp32 -> (...) int64, torch.max(x, -1).indices. Call only where `argmax_fits`."""
     out: torch.Tensor = torch.ops.eaglespec_rowops.argmax(x)
     return out
-
-
-def draft_pick_fits(logits: torch.Tensor, d2t: torch.Tensor) -> bool:
-    """Whether the kernel takes this pick: fp32 (B, V) logits and an int64 (V,) map on the CPU,
-    eager."""
-    return (
-        logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.shape[-1] > 0
-        and d2t.dtype == torch.int64
-        and d2t.shape == logits.shape[-1:]
-        and d2t.is_cpu
-        and eager_cpu(logits, logits)
-    )
-
-
-def draft_pick(logits: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (B, V) fp32, d2t (V,) int64 -> (B,) int64 target ids (each row's first maximum a,
-    plus d2t[a]) and (B,) fp32 log-probabilities of those picks (log_softmax's value at a, to
-    fp32 rounding). Call only where `draft_pick_fits`."""
-    ids, logprob = torch.ops.eaglespec_rowops.draft_pick(logits, d2t)
-    return ids, logprob
 
 
 def silu_mul_fits(x: torch.Tensor) -> bool:

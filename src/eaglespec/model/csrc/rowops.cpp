@@ -22,9 +22,6 @@
 // counts as the maximum: the first NaN's index). Two passes over the row: the maximum (and whether
 // any NaN), then the first index holding it. A greedy step's or verification's token choice
 // over a 49,152-token vocabulary in one call.
-//
-// draft_pick: a draft head's greedy pick per row of draft logits, mapped to the target's
-// vocabulary, with its log-probability (for the chain's stop on doubt), in one call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,7 +37,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -191,21 +187,6 @@ EAGLESPEC_AVX2_TARGET int64_t argmax_row_avx2(const float* x, int64_t V) {
     if (hit) return v + __builtin_ctz(hit);
   }
   return 0;  // not reached: the maximum is one of the values
-}
-
-// A greedy pick's log-probability over a row of V logits whose maximum is `top`:
-// -log sum_j exp(x_j - top), the sums in 16 fp32 lanes (exp_nonpositive), one log. Close to
-// log_softmax's value at the maximum (within fp32 rounding), not its bits: it only gates how
-// long a draft chain grows, never which tokens it holds.
-EAGLESPEC_AVX2_TARGET float pick_logprob_avx2(const float* x, int64_t V, float top) {
-  if (std::isnan(top)) return top;  // a NaN row (its pick is its first NaN): as log_softmax
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const avx2::F16 top_v = avx2::set1(top);
-  avx2::F16 total = avx2::zero();
-  for (int64_t v = 0; v < V; v += 16)
-    total = avx2::add(total, avx2::exp_nonpositive(avx2::sub(avx2::load_n(x + v, V - v, neg_inf),
-                                                             top_v)));
-  return -std::log(avx2::reduce_add(total));
 }
 // ---- end of the AVX2 path
 
@@ -486,39 +467,6 @@ at::Tensor rowops_argmax(const at::Tensor& x_in) {
   return out.view(sizes);
 }
 
-// logits (B, V) fp32, d2t (V,) int64 -> each row's greedy draft pick as a target-vocabulary id
-// (its first maximum a, plus d2t[a]: the draft head's to_target) (B,) int64, and the pick's
-// log-probability under the head (B,) fp32 (pick_logprob_avx2). One call for a draft step's
-// argmax, id map and stop-on-doubt probability, which took seven ATen ops from Python.
-std::tuple<at::Tensor, at::Tensor> rowops_draft_pick(const at::Tensor& x_in,
-                                                     const at::Tensor& d2t_in) {
-  TORCH_CHECK(cpu_supported(), "eaglespec draft_pick: this CPU lacks AVX2 (and AVX-512)");
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
-              "draft_pick: CPU fp32 (B, V) logits only, got ", x_in.scalar_type(), " ",
-              x_in.sizes());
-  const int64_t B = x_in.size(0), V = x_in.size(1);
-  TORCH_CHECK(V > 0, "draft_pick: an empty vocabulary has no pick");
-  TORCH_CHECK(d2t_in.device().is_cpu() && d2t_in.scalar_type() == at::kLong && d2t_in.dim() == 1 &&
-                  d2t_in.size(0) == V,
-              "draft_pick: d2t must be a CPU int64 table of the logits' ", V, " entries, got ",
-              d2t_in.scalar_type(), " ", d2t_in.sizes());
-  const at::Tensor x = x_in.contiguous(), d2t = d2t_in.contiguous();
-  at::Tensor ids = at::empty({B}, x.options().dtype(at::kLong));
-  at::Tensor logprob = at::empty({B}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int64_t* map = d2t.data_ptr<int64_t>();
-  int64_t* ip = ids.data_ptr<int64_t>();
-  float* lp = logprob.data_ptr<float>();
-  const bool avx2 = avx2_on();
-  for (int64_t m = 0; m < B; ++m) {  // a draft step's few rows: one thread
-    const float* row = xp + m * V;
-    const int64_t a = avx2 ? argmax_row_avx2(row, V) : argmax_row(row, V);
-    ip[m] = a + map[a];
-    lp[m] = pick_logprob_avx2(row, V, row[a]);
-  }
-  return {ids, logprob};
-}
-
 bool rowops_supported() { return cpu_supported(); }
 
 // Whether the ops take their AVX2 path from now on where AVX-512 would run (`force`); returns
@@ -533,7 +481,6 @@ TORCH_LIBRARY(eaglespec_rowops, m) {
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
-  m.def("draft_pick(Tensor logits, Tensor d2t) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("supported() -> bool");
   m.def("use_avx2(bool force) -> bool");
@@ -541,7 +488,6 @@ TORCH_LIBRARY(eaglespec_rowops, m) {
 
 TORCH_LIBRARY_IMPL(eaglespec_rowops, CPU, m) {
   m.impl("argmax", &rowops_argmax);
-  m.impl("draft_pick", &rowops_draft_pick);
   m.impl("silu_mul", &rowops_silu_mul);
   m.impl("rms_norm", &rowops_rms_norm);
   m.impl("rope_write", &rowops_rope_write);
