@@ -3,8 +3,10 @@ prompt processing against its length.
 
     python benchmarks/prefill_cost.py [--model smollm2-135m] [--sizes 64 256 1024] [--repeats 3]
 
-Each size: a fresh cache, one forward over the prompt (no capture), medians over --repeats
-after one warm-up forward. To compare with another checkout, run the same command with
+Each size: a fresh cache, one forward over the prompt (no capture), projecting the last row's
+logits only, as the engine's prefill does (until session 61 this projected every row's, 49,152
+logits a row for SmolLM2, which no prefill of the engine computes); medians over --repeats after
+one warm-up forward. To compare with another checkout, run the same command with
 PYTHONPATH=<that checkout>/src.
 """
 
@@ -35,11 +37,12 @@ def main() -> None:
         for n in args.sizes:
             ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen)
             pos = torch.arange(n)[None]
+            last = torch.tensor([[n - 1]])  # (1, 1): the engine's prefill projects this row
             samples = []
             for rep in range(args.repeats + 1):
                 cache = model.new_cache(1, n + 8)
                 start = time.perf_counter()
-                model(ids, pos, cache)
+                model(ids, pos, cache, logit_index=last)
                 if rep:  # the first forward warms up
                     samples.append(time.perf_counter() - start)
             t = statistics.median(samples)
