@@ -57,9 +57,9 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <type_traits>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"      // w4a8_rows: the kernel called from C++ (layer.cpp)
