@@ -330,6 +330,15 @@ EAGLESPEC_AVX2_TARGET inline __attribute__((always_inline)) __m256 score8_avx2(
   return _mm256_mul_ps(e, _mm256_set1_ps(scale));
 }
 
+// The larger of `top` and the 8 lanes of `top8` (a running max kept in a vector: a max in any
+// order is the same max).
+EAGLESPEC_AVX2_TARGET inline float max_with_lanes(float top, __m256 top8) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  for (float x : lanes) top = std::max(top, x);
+  return top;
+}
+
 // exp_normalize on AVX2.
 EAGLESPEC_AVX2_TARGET float exp_normalize_avx2(float* scores, int64_t K, float top,
                                                const bool* mask, int64_t mstride, float* packed) {
@@ -407,7 +416,7 @@ EAGLESPEC_AVX2_TARGET void row_avx2(const T* q, const T* k, int64_t k_stride, co
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float top = neg_inf;
   int64_t j = 0;
-  __m256 top8 = _mm256_set1_ps(neg_inf);  // a max in any order is the same max
+  __m256 top8 = _mm256_set1_ps(neg_inf);
   for (; j + 8 <= K; j += 8) {
     const __m256 s = score8_avx2<T, C>(qv, k + j * k_stride, k_stride, scale);
     _mm256_storeu_ps(scores + j, s);
@@ -422,9 +431,7 @@ EAGLESPEC_AVX2_TARGET void row_avx2(const T* q, const T* k, int64_t k_stride, co
         top = std::max(top, scores[i]);
     }
   }
-  alignas(32) float tops[8];
-  _mm256_store_ps(tops, top8);
-  for (int m = 0; m < 8; ++m) top = std::max(top, tops[m]);
+  top = max_with_lanes(top, top8);
   for (; j < K; ++j) {
     if (mask != nullptr && !mask[j * mstride]) {
       scores[j] = neg_inf;
@@ -488,15 +495,13 @@ EAGLESPEC_AVX2_TARGET void rows_avx2(const T* const* q, const T* k, int64_t k_st
       for (int c = 0; c < C; ++c) qv[c] = avx2::load(q[i] + 16 * c);
       const int64_t here = std::min(nb, n[i] - j0);
       int64_t j = 0;
-      __m256 top8 = _mm256_set1_ps(top[i]);  // a max in any order is the same max
+      __m256 top8 = _mm256_set1_ps(top[i]);
       for (; j + 8 <= here; j += 8) {
         const __m256 s = score8_avx2<float, C>(qv, kb + j * C * 16, C * 16, scale);
         _mm256_storeu_ps(scores[i] + j0 + j, s);
         top8 = _mm256_max_ps(top8, s);
       }
-      alignas(32) float tops[8];
-      _mm256_store_ps(tops, top8);
-      for (int m = 0; m < 8; ++m) top[i] = std::max(top[i], tops[m]);
+      top[i] = max_with_lanes(top[i], top8);
       for (; j < here; ++j) {
         const float s = score_key_avx2<float, C>(qv, kb + j * C * 16, scale);
         scores[i][j0 + j] = s;

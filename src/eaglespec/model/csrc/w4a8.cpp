@@ -436,21 +436,12 @@ EAGLESPEC_AVX2_TARGET inline void half_group_avx2(const uint8_t* gp, int half, c
   }
 }
 
-// at::BFloat16(v)'s bits for 8 lanes, in the low 16 bits of each: round to nearest even (the
-// high half after adding 0x7FFF + the lowest kept bit), NaN as 0x7FC0.
+// at::BFloat16(v)'s bits for 8 lanes, in the low 16 bits of each: avx2::round_bf16_8's round to
+// nearest even, and NaN as 0x7FC0 (which that finite-only rounding leaves out).
 EAGLESPEC_AVX2_TARGET inline __m256i bf16_bits_avx2(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(avx2::round_bf16_8(v)), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
-
-// 8 bf16 from memory, widened exactly.
-EAGLESPEC_AVX2_TARGET inline __m256 widen_bf16_avx2(const at::BFloat16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
 
 // A tile's accumulators for one half of a block stored (8 outputs a row, `here` of them kept).
@@ -465,7 +456,7 @@ EAGLESPEC_AVX2_TARGET inline void store_half_avx2(const __m256 (&acc)[MB], int h
         __m256i h = bf16_bits_avx2(acc[m]);
         if (r != nullptr) {  // the product rounded to bf16, plus the residual in fp32, rounded
           const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-          h = bf16_bits_avx2(_mm256_add_ps(widen_bf16_avx2(r + m * ldy + 8 * half), v));
+          h = bf16_bits_avx2(_mm256_add_ps(avx2::load8(r + m * ldy + 8 * half), v));
         }
         const __m128i packed =
             _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
