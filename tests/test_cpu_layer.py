@@ -412,6 +412,88 @@ def test_the_fused_qwen3_layer_has_the_python_forwards_bits(
     _assert_path_is_python(model, path, monkeypatch)
 
 
+def _greedy_run(model: Transformer) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Transformer.greedy over chains after a ragged prefill (ragged one-token steps and a
+    3-token chain: the mask path) and on a one-row cache (a one-token step: no mask; a 4-token
+    chain: the causal mask), committing part of each: every argmax and captured state, and
+    both caches at the end."""
+    outs: list[torch.Tensor] = []
+    cache = model.new_cache(2, 32)
+    model(RAGGED_PROMPTS, torch.arange(6).expand(2, 6), cache)
+    cache.advance(RAGGED_KEEP)
+    for ids, keep in [
+        ([[7], [8]], [1, 1]),
+        ([[11, 12, 13], [21, 22, 23]], [2, 1]),
+        ([[3], [4]], [1, 1]),
+    ]:
+        argmax, hidden = model.greedy(torch.tensor(ids), cache, (1, 3))
+        outs += [argmax, *hidden]
+        cache.advance(keep)
+    one = model.new_cache(1, 16)
+    model(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], one)
+    one.advance([3])
+    for ids, keep in [([[9]], [1]), ([[40, 41, 42, 43]], [3]), ([[50]], [1])]:
+        argmax, hidden = model.greedy(torch.tensor(ids), one, (0, 2))
+        outs += [argmax, *hidden]
+        one.advance(keep)
+    return outs, torch.cat(
+        [torch.stack([cache.k, cache.v]).flatten(), torch.stack([one.k, one.v]).flatten()]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_greedy_op_has_the_forwards_and_argmaxs_bits(
+    dtype: torch.dtype, mixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transformer.greedy in one C++ call (cpu_layer.greedy_chain: the plan, the embedding, the
+    decoder and the argmax) against `forward` and sampling.greedy_tokens: the same argmax,
+    captured states and cache bits, and the op really ran."""
+    model = _target(dtype, mixed=mixed)
+    calls: list[int] = []
+    real = cpu_layer.greedy_chain
+    monkeypatch.setattr(cpu_layer, "greedy_chain", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        fused, fused_cache = _greedy_run(model)
+        assert len(calls) == 6
+        monkeypatch.setattr(cpu_layer, "greedy_args", lambda *a: None)
+        python, python_cache = _greedy_run(copy.deepcopy(model))
+    assert len(calls) == 6
+    for a, b in zip(fused, python, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_cache, python_cache)
+
+
+def test_the_greedy_op_steps_aside_and_refuses_what_forward_refuses() -> None:
+    """Gradients wanted or a decoder of another kind: no op arguments (`forward`'s path);
+    a chain past the cache's capacity and a capture boundary past the last layer: forward's
+    errors."""
+    model = _target(torch.float32)
+    cache = model.new_cache(1, 4)
+    assert cpu_layer.greedy_args(model, model.embed.weight, cache.k) is not None
+    with torch.enable_grad():
+        assert cpu_layer.greedy_args(model, model.embed.weight.requires_grad_(), cache.k) is None
+    plain = tiny_target(3, vocab=V, hidden=128, layers=1)  # not quantized: no decoder op
+    assert cpu_layer.greedy_args(plain, plain.embed.weight, plain.new_cache(1, 4).k) is None
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="KV cache overflow"):
+            model.greedy(torch.tensor([[1, 2, 3, 4, 5]]), cache)
+        with pytest.raises(ValueError, match="capture boundaries"):
+            model.greedy(torch.tensor([[1]]), cache, (4,))
+
+
+def test_plain_greedy_decoding_through_the_greedy_op_has_the_logits_paths_tokens() -> None:
+    """generate_stream's greedy rows take each step's token from Transformer.greedy; a request
+    asking for logprobs takes the logits path (forward, then the argmax): the same tokens."""
+    target = _target(torch.bfloat16)
+    prompts = [[5, 17, 33, 2, 8], [9, 1, 4], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
+    fast = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (14, 9, 20)]
+    slow = [dataclasses.replace(p, logprobs=1) for p in fast]
+    a = collect_outputs(generate_stream(target, NullTokenizer(), prompts, fast))
+    b = collect_outputs(generate_stream(target, NullTokenizer(), prompts, slow))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
 @pytest.mark.parametrize("draft", ["random-head", "oracle-noisy"])
 def test_speculation_over_the_fused_layer_is_lossless(draft: str) -> None:
     """A random head (drafts rejected) and an oracle that drafts the plain continuation with

@@ -467,23 +467,30 @@ def speculate_round(
     clock.mark()
     if drafted.num_nodes == 1 and batch.st.all_greedy and all(t is None for t in logprobs):
         return _plain_round(target, proposer, batch, clock)
-    prefix = torch.tensor(batch.cache.lengths, device=batch.roots.device)
-    out: ForwardOutput = target(
-        drafted.tokens,
-        verify_positions(drafted, prefix),
-        batch.cache,
-        attn_mask=None if drafted.is_chain else drafted.mask,  # a chain's mask is causal
-        capture=proposer.capture,
-    )
+    greedy = batch.st.all_greedy and all(t is None for t in logprobs)
+    out: ForwardOutput | None = None
+    argmax: torch.Tensor | None
+    if greedy and drafted.is_chain:  # the argmax after each node is all greedy verification needs
+        argmax, hidden = target.greedy(drafted.tokens, batch.cache, proposer.capture)  # (B, N)
+    else:
+        prefix = torch.tensor(batch.cache.lengths, device=batch.roots.device)
+        out = target(
+            drafted.tokens,
+            verify_positions(drafted, prefix),
+            batch.cache,
+            attn_mask=None if drafted.is_chain else drafted.mask,  # a chain's mask is causal
+            capture=proposer.capture,
+        )
+        hidden = out.hidden
+        argmax = greedy_tokens(out.logits) if greedy else None  # (B, N), a tree's
     N, D, dev = drafted.num_nodes, drafted.max_depth, batch.roots.device
     result: VerifyResult | None = None
-    if batch.st.all_greedy and all(t is None for t in logprobs):
-        # verified on the host: the argmax after each node is all greedy verification needs
-        argmax = greedy_tokens(out.logits)  # (B, N)
+    if argmax is not None:  # verified on the host
         rows = torch.cat([drafted.tokens, argmax, drafted.parents], 1).tolist()  # (B, 3N)
         # (sync: the round's tokens, once for all rows)
         walks = [verify_greedy_host(r[:N], r[N : 2 * N], r[2 * N :]) for r in rows]
     else:
+        assert out is not None
         result = _verify(drafted, out.logits, batch.st, batch.generators)
         found = [result.path, result.next_token[:, None], result.bonus[:, None].long()]
         rows = torch.cat([drafted.tokens, *found], 1).tolist()  # (B, N + D + 3)
@@ -502,7 +509,7 @@ def speculate_round(
         _sources(len(w.path) - 1, D, w.bonus, [n >= own_nodes for n in w.path[1:]]) for w in walks
     ]
     lps = None
-    if result is not None and any(t is not None for t in logprobs):
+    if result is not None and out is not None and any(t is not None for t in logprobs):
         path_tokens = torch.gather(drafted.tokens, 1, result.path.clamp(min=0))  # (B, D + 1)
         lps = _round_logprobs(out.logits, result, path_tokens, tokens, logprobs)
     clock.mark()
@@ -516,7 +523,7 @@ def speculate_round(
         batch.cache.advance(committed)
     else:
         batch.cache.keep(nodes, committed)
-    batch.draft = _catch_up(proposer, batch.draft, out, nodes, tokens, committed, dev)
+    batch.draft = _catch_up(proposer, batch.draft, hidden, nodes, tokens, committed, dev)
     batch.roots = torch.tensor([w.next_token for w in walks], device=dev)  # (B,)
     clock.mark()
     propose, verify, catch_up = clock.spans()
@@ -533,13 +540,12 @@ def _plain_round(
     0.3 ms of a 6.5 ms SmolLM2 step, in many small ops."""
     roots = batch.roots  # (B,)
     B = len(roots)
-    positions = torch.tensor(batch.cache.lengths, device=roots.device)[:, None]  # (B, 1)
-    out: ForwardOutput = target(roots[:, None], positions, batch.cache, capture=proposer.capture)
-    next_token = greedy_tokens(out.logits[:, 0])  # (B,)
+    argmax, hidden = target.greedy(roots[:, None], batch.cache, proposer.capture)  # (B, 1)
+    next_token = argmax[:, 0]  # (B,)
     tokens = next_token.tolist()  # sync: the round's tokens
     clock.mark()
     batch.cache.advance([1] * B)
-    batch.draft = proposer.catch_up(batch.draft, next_token[:, None], list(out.hidden), [1] * B)
+    batch.draft = proposer.catch_up(batch.draft, argmax, hidden, [1] * B)
     batch.roots = next_token
     clock.mark()
     propose, verify, catch_up = clock.spans()
@@ -596,7 +602,7 @@ def _path_nodes(walks: Sequence[HostPath], width: int, device: torch.device) -> 
 def _catch_up(
     proposer: Proposer,
     draft: Any,
-    out: ForwardOutput,
+    states: list[torch.Tensor],  # the verify forward's captured states, each (B, N, Ct)
     nodes: torch.Tensor | None,  # (B, A) root paths padded with node 0; None for a chain
     tokens: list[list[int]],  # per row: the accepted drafts, then the next root
     counts: list[int],  # per row: root + accepted
@@ -607,9 +613,9 @@ def _catch_up(
     # (B, A) row b: d_1 .. d_a, next, then padding (past counts[b]: computed, never committed)
     fed = torch.tensor([t + t[-1:] * (A - len(t)) for t in tokens], device=dev)
     if nodes is None:  # root + accepted drafts are nodes 0 .. a: the first A nodes of every row
-        aux = [h[:, :A] for h in out.hidden]
+        aux = [h[:, :A] for h in states]
     else:
-        aux = [torch.gather(h, 1, nodes[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden]
+        aux = [torch.gather(h, 1, nodes[..., None].expand(-1, -1, h.shape[-1])) for h in states]
     return proposer.catch_up(draft, fed, aux, counts)
 
 

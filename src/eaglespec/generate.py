@@ -49,13 +49,20 @@ def generate_stream(
     seen = _seen_mask(prompts, model.cfg.vocab_size, device) if st.any_penalty else None
     eos = set(tokenizer.eos_ids)
 
+    # Greedy rows without a penalty or logprobs take each step's argmax from Transformer.greedy,
+    # the logits staying inside its call; the first token comes from the prefill's logits.
+    argmax_only = st.all_greedy and seen is None and all(p.logprobs is None for p in params)
     start = time.perf_counter()
     logits = _prefill(model, cache, prompts)
+    chosen: torch.Tensor | None = None  # (B,) the step's tokens where Transformer.greedy chose
     active = list(seqs)
     while True:
-        tokens = next_tokens(logits, st, seen, [s.generator for s in active])
+        if chosen is None:
+            tokens = next_tokens(logits, st, seen, [s.generator for s in active])
+        else:
+            tokens = chosen
         ids = tokens.tolist()  # sync: the step's tokens, for streaming and stop checks
-        lps = step_logprobs(logits, tokens, ids, active)
+        lps = None if argmax_only else step_logprobs(logits, tokens, ids, active)
         now = time.perf_counter()
         keep = []
         for row, (seq, tid) in enumerate(zip(active, ids, strict=True)):
@@ -76,8 +83,11 @@ def generate_stream(
             seen = None if seen is None else seen[rows]
         if seen is not None:
             seen[torch.arange(len(keep), device=device), tokens] = True
-        positions = torch.tensor(cache.lengths, device=device)[:, None]  # (B, 1)
-        logits = model(tokens[:, None], positions, cache).logits[:, 0]  # (B, V)
+        if argmax_only:
+            chosen = model.greedy(tokens[:, None], cache)[0][:, 0]  # (B,)
+        else:
+            positions = torch.tensor(cache.lengths, device=device)[:, None]  # (B, 1)
+            logits = model(tokens[:, None], positions, cache).logits[:, 0]  # (B, V)
         cache.advance([1] * len(active))
 
 

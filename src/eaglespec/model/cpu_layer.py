@@ -618,6 +618,56 @@ def forward_decoder(
     return out[0], out[1:]
 
 
+def greedy_args(
+    model: nn.Module, embed: torch.Tensor, cache_k: torch.Tensor
+) -> tuple[StackArgs, LogitsArgs] | None:
+    """The `greedy_chain` op's arguments for `model` (a llama Transformer without Gemma's
+    scaled embedding or sliding layers; `embed` its embedding matrix, `cache_k` (L, B, Hkv, S,
+    D) its cache's keys), or None where `forward` would not run the decoder op: step_fits'
+    conditions (an embedded input has the embedding's dtype and device), a decoder of llama
+    blocks and a w4a8 output matrix."""
+    if not (
+        cpu_rowops.eager_cpu(embed, cache_k)
+        and cache_k.dtype == embed.dtype
+        and cache_k.shape[-1] % 32 == 0
+        and cache_k.shape[-1] in cpu_attention.HEAD_DIMS
+        and _load() is None
+    ):
+        return None
+    stack = stack_args(model)
+    if stack is None or stack.sandwich:
+        return None
+    tail = logits_args(model, stack)
+    return None if tail is None else (stack, tail)
+
+
+@functools.cache
+def _greedy_op() -> Callable[..., list[torch.Tensor]]:
+    """The greedy_chain op's C++ entry, past its Python wrapper (_decoder_op says why)."""
+    overload = torch.ops.eaglespec_layer.greedy_chain.default
+    return getattr(overload, "_op", overload)
+
+
+def greedy_chain(
+    args: tuple[StackArgs, LogitsArgs],  # greedy_args
+    embed: torch.Tensor,  # (V, C) the embedding matrix
+    ids: torch.Tensor,  # (B, T) int64 the new tokens, a chain per row
+    lengths: list[int],  # each row's committed length
+    cache_k: torch.Tensor,  # (L, B, Hkv, S, D), written
+    cache_v: torch.Tensor,
+    capture: tuple[int, ...],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Transformer.greedy in one call: the target's argmax after each new token (B, T) int64
+    and the state at each captured boundary (csrc/layer.cpp's greedy_chain_forward)."""
+    stack, tail = args
+    norm, lm_head, bits, vocab = tail.tail
+    out: list[torch.Tensor] = _greedy_op()(
+        ids.contiguous(), lengths, embed, tail.inv_freq, stack.layers, cache_k, cache_v,
+        list(capture), norm, lm_head, bits, vocab,
+    )  # fmt: skip
+    return out[0], out[1:]
+
+
 def step_fits(x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
     """The forward's side of the conditions (module doc): eager, CPU, dtypes, shapes. The same
     for every layer of a forward (their caches share dtype and shape): Transformer.body asks

@@ -35,6 +35,7 @@ from eaglespec.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from eaglespec.sampling import greedy_tokens
 
 # Forwards of at most this many new tokens take the compiled body when compiling is on: decode
 # steps, chain and tree verification (a 4,4,16 tree verifies 17 tokens), draft-model steps.
@@ -211,9 +212,7 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
         assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
-        L = self.cfg.num_layers
-        if any(not 0 <= b <= L for b in capture):
-            raise ValueError(f"capture boundaries must be in [0, {L}], got {list(capture)}")
+        self._check_capture(capture)
         plan = cache.plan(T, attn_mask)
         body = self.body
         if self.compiled_body is not None and self.compile_max_tokens >= T and not plan.prefix_free:
@@ -222,6 +221,39 @@ class Transformer(nn.Module):
             input_ids, positions, cache.k_layers, cache.v_layers, plan, tuple(capture), logit_index
         )
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def greedy(
+        self,
+        input_ids: torch.Tensor,  # (B, T) int64, a chain of new tokens per row
+        cache: KVCache,
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The target's greedy choice after each new token, (B, T) int64, and the captured
+        states: `forward` over a chain after each row's committed length (positions length + t,
+        causal; the caller commits the entries), then sampling.greedy_tokens. Where `forward`
+        would run the decoder op (eager w4a8 on CPU, llama layers) it is one C++ call, the plan,
+        the embedding and the argmax in it, the logits never leaving it: the same bits,
+        without the host work that runs cold after each step's weight stream."""
+        B, T = input_ids.shape
+        fused = None
+        if self.compiled_body is None and not self.cfg.embed_scale and not self.cfg.sliding_layers:
+            fused = cpu_layer.greedy_args(self, self.embed.weight, cache.k)
+        if fused is None:
+            start = torch.tensor(cache.lengths, device=input_ids.device)[:, None]  # (B, 1)
+            positions = start + torch.arange(T, device=input_ids.device)
+            out = self(input_ids, positions, cache, capture=capture)
+            return greedy_tokens(out.logits), out.hidden
+        assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
+        self._check_capture(capture)
+        cache.check_room(T)
+        return cpu_layer.greedy_chain(
+            fused, self.embed.weight, input_ids, cache.lengths, cache.k, cache.v, tuple(capture)
+        )
+
+    def _check_capture(self, capture: Sequence[int]) -> None:
+        L = self.cfg.num_layers
+        if any(not 0 <= b <= L for b in capture):
+            raise ValueError(f"capture boundaries must be in [0, {L}], got {list(capture)}")
 
     def body(
         self,

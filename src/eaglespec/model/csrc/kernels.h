@@ -51,4 +51,7 @@ void rope_write_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& mask, double scale, at::Tensor& out);
 
+// x (..., V) fp32 -> (...) int64: each row's index of its first maximum, as rowops' argmax.
+at::Tensor argmax_rows(const at::Tensor& x);
+
 }  // namespace kernels

@@ -809,6 +809,61 @@ std::vector<at::Tensor> decoder_forward(
   return out;
 }
 
+// A greedy forward over a chain of T new tokens per row after its committed length (a decode
+// step, or a chain's verification), from the token ids to the target's argmax after each:
+// Transformer.forward's host work (cache.KVCache.plan, the embedding) and the argmax kernel
+// in the same call as decoder_forward, so a step crosses from Python once (each crossing after
+// a step's weight stream runs cold: about 70 us for a one-tensor op, session 62). ids (B, T)
+// int64, lengths each row's committed length, k_all and v_all the cache (L, B, Hkv, S, D).
+// Row b's token t sits at position and slot lengths[b] + t and sees the slots up to there,
+// through the mask plan() makes: none where every row has one length and T is 1, else
+// (B, 1, T, K) over K = max(lengths) + T keys. The same tensors' values as the Python path
+// gives decoder_forward, so the same bits. Returns the argmax (B, T) int64, then the captured
+// states in capture's order.
+std::vector<at::Tensor> greedy_chain_forward(
+    const at::Tensor& ids, at::IntArrayRef lengths, const at::Tensor& embed,
+    const at::Tensor& inv_freq, const c10::intrusive_ptr<Stack>& layers, const at::Tensor& k_all,
+    const at::Tensor& v_all, at::IntArrayRef capture, const at::Tensor& norm,
+    const at::Tensor& lm_head, int64_t lm_bits, int64_t vocab) {
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "greedy_chain: ids must be contiguous (B, T) int64, got ", ids.sizes());
+  const int64_t B = ids.size(0), T_ = ids.size(1);
+  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == B, "greedy_chain: ", lengths.size(),
+              " lengths for ", B, " rows");
+  TORCH_CHECK(k_all.dim() == 5 && k_all.size(1) == B && v_all.sizes() == k_all.sizes(),
+              "greedy_chain: the caches must be (L, B, Hkv, S, D) for ", B, " rows, got ",
+              k_all.sizes(), " and ", v_all.sizes());
+  int64_t lo = lengths.empty() ? 0 : lengths[0], hi = lo;
+  for (const int64_t n : lengths) lo = std::min(lo, n), hi = std::max(hi, n);
+  const int64_t num_keys = hi + T_;
+  TORCH_CHECK(lo >= 0 && num_keys <= k_all.size(3), "greedy_chain: KV cache overflow: ",
+              num_keys, " entries needed, capacity ", k_all.size(3));
+  at::Tensor positions = at::empty({B, T_}, ids.options());  // also the slots written
+  int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T_; ++t) pp[b * T_ + t] = lengths[b] + t;
+  std::optional<at::Tensor> mask;
+  if (lo != hi || T_ > 1) {
+    at::Tensor m = at::empty({B, 1, T_, num_keys}, ids.options().dtype(at::kBool));
+    bool* mp = m.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T_; ++t)
+        for (int64_t s = 0; s < num_keys; ++s)
+          mp[(b * T_ + t) * num_keys + s] = s <= lengths[b] + t;
+    mask = m;
+  }
+  std::vector<at::Tensor> ks, vs;
+  for (int64_t l = 0; l < k_all.size(0); ++l) {
+    ks.push_back(k_all.select(0, l));
+    vs.push_back(v_all.select(0, l));
+  }
+  std::vector<at::Tensor> out =
+      decoder_forward(at::embedding(embed, ids), positions, inv_freq, layers, ks, vs, positions,
+                      num_keys, mask, capture, norm, std::nullopt, lm_head, lm_bits, vocab);
+  out[0] = kernels::argmax_rows(out[0]);  // (B, T)
+  return out;
+}
+
 namespace {
 
 // sandwich_rows' scratch for B x T rows beyond LayerBuffers': the attention norm's output (and
@@ -1175,6 +1230,10 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "__torch__.torch.classes.eaglespec_layer.Stack layers, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor slots, int num_keys, Tensor? mask, int[] capture, "
       "Tensor norm, Tensor? logit_index, Tensor lm_head, int lm_bits, int vocab) -> Tensor[]");
+  m.def(
+      "greedy_chain(Tensor ids, int[] lengths, Tensor embed, Tensor inv_freq, "
+      "__torch__.torch.classes.eaglespec_layer.Stack layers, Tensor(a!) k_all, Tensor(b!) v_all, "
+      "int[] capture, Tensor norm, Tensor lm_head, int lm_bits, int vocab) -> Tensor[]");
   m.def("supported() -> bool");
   m.def("use_team(bool enable) -> bool");
   m.def("use_native(bool enable) -> bool");
@@ -1189,6 +1248,7 @@ TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
   m.impl("sandwich", &Teamed<&sandwich_forward>::call);
   m.impl("head", &Teamed<&head_forward>::call);
   m.impl("decoder", &Teamed<&decoder_forward>::call);
+  m.impl("greedy_chain", &Teamed<&greedy_chain_forward>::call);
   m.impl("sandwich_decoder", &Teamed<&sandwich_decoder_forward>::call);
 }
 

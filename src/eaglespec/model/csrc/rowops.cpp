@@ -467,6 +467,8 @@ at::Tensor rowops_argmax(const at::Tensor& x_in) {
   return out.view(sizes);
 }
 
+at::Tensor kernels::argmax_rows(const at::Tensor& x) { return rowops_argmax(x); }
+
 bool rowops_supported() { return cpu_supported(); }
 
 // Whether the ops take their AVX2 path from now on where AVX-512 would run (`force`); returns
