@@ -7,9 +7,10 @@ buy at most: each generation against a replay of only its kernel ops, in one pro
 Each question's first turn is answered greedily at the commands' default precision twice in
 turn, plain (speculation off) and with the commands' default speculation (the shipped head,
 adaptive), while the calls of the kernel ops are recorded: the target's decoder
-(`cpu_layer.forward_decoder`), the head's step (`cpu_layer.forward_head`) and the greedy argmax
-(`sampling.greedy_tokens`, where the engine calls it). Right after each generation those calls
-are replayed in order from a loop that does nothing else, with the same arguments (the KV
+(`cpu_layer.forward_decoder`, and `cpu_layer.greedy_chain` for greedy steps and chains, the
+argmax included), the head's step (`cpu_layer.forward_head`, and `cpu_layer.head_chain` for
+catch-ups and chain steps) and the greedy argmax (`sampling.greedy_tokens`, where the engine
+calls it). Right after each generation those calls are replayed in order from a loop that does nothing else, with the same arguments (the KV
 caches are written again with the same values). The replay is what the generation costs with
 every other piece of host work gone (the engine's Python, the tree and cache bookkeeping, the
 tokenizer, the policy) and only the ops' own Python wrappers left: a floor for a loop or round
@@ -76,7 +77,9 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rec = Recorder()
     rec.wrap(cpu_layer, "forward_decoder")
+    rec.wrap(cpu_layer, "greedy_chain")
     rec.wrap(cpu_layer, "forward_head")
+    rec.wrap(cpu_layer, "head_chain")
     for module in (engine, generate, proposer):  # each imported greedy_tokens by name
         rec.wrap(module, "greedy_tokens")
     ms: dict[str, dict[str, list[float]]] = {m: {"run": [], "replay": []} for m in llms}

@@ -664,6 +664,61 @@ def test_the_fused_head_has_the_python_forwards_bits(
     assert torch.equal(fused_cache, python_cache) and torch.equal(ops_cache, python_cache)
 
 
+def _head_chain_run(head, feats: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A proposer's head calls on two rows: a prompt feed per row onto its own cache row
+    (`feed_last`, 6 and 4 tokens: the causal mask from an empty cache), a ragged catch-up of 3
+    and 2 tokens (the ragged mask; logits at each row's last), and two one-token steps
+    (`step_last`: ragged, no mask once level): every logits and state, and the cache at the end.
+    feats (2, 6, 3 C): the three states side by side."""
+    cache = head.new_cache(2, 32)
+    aux = list(feats.chunk(3, dim=-1))
+    outs: list[torch.Tensor] = []
+    for b, n in enumerate([6, 4]):
+        row = cache.row(b)
+        ids = (torch.arange(5, 5 + n) + b)[None]
+        outs += head.feed_last(ids, [a[b : b + 1, :n] for a in aux], row, [n - 1])
+    cache.lengths = [6, 4]
+    logits, state = head.feed_last(
+        torch.tensor([[20, 21, 22], [30, 31, 31]]), [a[:, :3] for a in aux], cache, [2, 1]
+    )
+    outs += [logits, state]
+    cache.advance([3, 2])
+    for step in range(2):
+        logits, state = head.step_last(torch.tensor([[40 + step], [50]]), state[:, None], cache)
+        outs += [logits, state]
+        cache.advance([1, 1])
+    return outs, torch.stack([cache.k, cache.v])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_head_chain_op_has_the_heads_forward_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eagle3Head.feed_last and step_last in one C++ call each (`head_chain`: the plan, the
+    head's step and the picks of each row's last token) against the same through `_step`
+    (positions, plan and picks in Python, then the `head` op) and through the Python forward:
+    the same logits, states and cache bits, and the op really ran."""
+    target = _target(dtype)
+    head = quantize_model(random_eagle3(target, seed=2), "w4a8")
+    taken: list[int] = []
+    real = cpu_layer.head_chain
+    monkeypatch.setattr(cpu_layer, "head_chain", lambda *a: taken.append(1) or real(*a))
+    torch.manual_seed(7)
+    feats = torch.randn(2, 6, 3 * 128).to(dtype)
+    with torch.inference_mode():
+        fused, fused_cache = _head_chain_run(head, feats)
+        assert len(taken) == 5
+        monkeypatch.setattr(cpu_layer, "head_chain_args", lambda *a: None)
+        op, op_cache = _head_chain_run(copy.deepcopy(head), feats)
+        monkeypatch.setattr(cpu_layer, "head_args", lambda *a: None)
+        monkeypatch.setattr(cpu_layer, "draft_args", lambda *a: None)
+        python, python_cache = _head_chain_run(copy.deepcopy(head), feats)
+    assert len(taken) == 5
+    for a, b, c in zip(fused, op, python, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert torch.equal(fused_cache, python_cache) and torch.equal(op_cache, python_cache)
+
+
 def test_the_fused_head_steps_aside_for_a_head_it_does_not_take() -> None:
     """Two draft layers, or a dense lm_head: no `head` op (the Python body runs)."""
     target = _target(torch.bfloat16)

@@ -284,6 +284,59 @@ class Eagle3Head(nn.Module):
         fused step takes the head (eager w4a8 on CPU), fc runs in the same C++ call."""
         return self._step(input_ids, list(aux), True, positions, cache, None, logit_index)
 
+    def feed_last(
+        self,
+        input_ids: torch.Tensor,  # (B, T) int64 TARGET-vocab ids, a chain per row
+        aux: Sequence[torch.Tensor],  # A x (B, T, Ct) target states, as `combine` takes them
+        cache: KVCache,
+        last: list[int],  # row b's token whose logits and state are returned
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`feed` after each row's committed length (positions length + t), then row b's fp32
+        logits (B, Vd) and next state (B, C) at its token last[b]: a catch-up, as the proposer
+        reads it. Where the fused step takes the head it is one C++ call with the plan and the
+        picks in it (cpu_layer.head_chain): the same bits, without the host work that runs cold
+        after the target's weight stream."""
+        return self._last(input_ids, list(aux), True, cache, last)
+
+    def step_last(
+        self,
+        input_ids: torch.Tensor,  # (B, 1) int64 TARGET-vocab ids
+        hidden: torch.Tensor,  # (B, 1, C) the previous step's state
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of one token per row after its committed length: its fp32 logits (B, Vd)
+        and next state (B, C), as feed_last gives them."""
+        return self._last(input_ids, [hidden], False, cache, [0] * input_ids.shape[0])
+
+    def _last(
+        self,
+        input_ids: torch.Tensor,  # (B, T) int64
+        states: list[torch.Tensor],  # target states with `combine`, else [hidden (B, T, C)]
+        combine: bool,
+        cache: KVCache,
+        last: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = input_ids.shape
+        fused = None
+        if self.compiled_body is None:
+            fused = cpu_layer.head_chain_args(self, states[0], cache.k_layers[0])
+        if fused is not None and (fused.fc or not combine):
+            if combine:
+                self.check_states(states)
+            else:
+                self.check_hidden(states[0], B, T)
+            assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
+            cache.check_room(T)
+            return cpu_layer.head_chain(
+                fused, input_ids, states, combine, cache.lengths, last, cache.k_layers[0],
+                cache.v_layers[0],
+            )  # fmt: skip
+        dev = input_ids.device
+        positions = torch.tensor(cache.lengths, device=dev)[:, None] + torch.arange(T, device=dev)
+        index = torch.tensor(last, device=dev)[:, None]  # (B, 1)
+        out = self._step(input_ids, states, combine, positions, cache, None, index)
+        return out.logits[:, 0], out.prenorm[torch.arange(B, device=dev), index[:, 0]]
+
     def _step(
         self,
         input_ids: torch.Tensor,  # (B, T) int64

@@ -168,15 +168,9 @@ class Eagle3Proposer:
         aux: Sequence[torch.Tensor],
         counts: Sequence[int],
     ) -> DraftState:
-        B, T = tokens.shape
-        dev = tokens.device
-        start = torch.tensor(cache.lengths, device=dev)[:, None]  # (B, 1)
-        positions = start + torch.arange(T, device=dev)  # (B, T)
-        last = torch.tensor(counts, device=dev)[:, None] - 1  # (B, 1)
-        out: DraftOutput = self.head.feed(tokens, aux, positions, cache, logit_index=last)
+        logits, prenorm = self.head.feed_last(tokens, aux, cache, [c - 1 for c in counts])
         cache.advance(counts)
-        rows = torch.arange(B, device=dev)
-        return DraftState(cache, out.logits[:, 0], out.prenorm[rows, last[:, 0]])
+        return DraftState(cache, logits, prenorm)
 
     def propose(self, state: DraftState, k: int) -> torch.Tensor:
         """(B, k') target-vocabulary draft tokens, k' <= k (k' < k only under `min_prob`).
@@ -191,12 +185,10 @@ class Eagle3Proposer:
         drafts: list[torch.Tensor] = []
         while len(drafts) < k:
             if drafts:  # one head step on the last draft
-                positions = torch.tensor(state.cache.lengths, device=dev)[:, None]  # (B, 1)
-                out: DraftOutput = self.head(
-                    drafts[-1][:, None], hidden[:, None], positions, state.cache
+                logits, hidden = self.head.step_last(
+                    drafts[-1][:, None], hidden[:, None], state.cache
                 )
                 state.cache.advance([1] * B)
-                logits, hidden = out.logits[:, -1], out.prenorm[:, -1]
             if path is not None:
                 path = path + logits.float().log_softmax(-1).amax(-1)
                 sure = path >= math.log(self.min_prob)

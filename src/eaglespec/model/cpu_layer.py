@@ -626,13 +626,7 @@ def greedy_args(
     D) its cache's keys), or None where `forward` would not run the decoder op: step_fits'
     conditions (an embedded input has the embedding's dtype and device), a decoder of llama
     blocks and a w4a8 output matrix."""
-    if not (
-        cpu_rowops.eager_cpu(embed, cache_k)
-        and cache_k.dtype == embed.dtype
-        and cache_k.shape[-1] % 32 == 0
-        and cache_k.shape[-1] in cpu_attention.HEAD_DIMS
-        and _load() is None
-    ):
+    if not _step_fits(embed, cache_k):
         return None
     stack = stack_args(model)
     if stack is None or stack.sandwich:
@@ -672,10 +666,15 @@ def step_fits(x: torch.Tensor, k_cache: torch.Tensor, plan: CachePlan) -> bool:
     """The forward's side of the conditions (module doc): eager, CPU, dtypes, shapes. The same
     for every layer of a forward (their caches share dtype and shape): Transformer.body asks
     once."""
+    return kernel_takes(plan, x.shape[1]) and _step_fits(x, k_cache)
+
+
+def _step_fits(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """step_fits without the plan: what a chain's forward (greedy_chain, head_chain), whose
+    plan the op makes and the kernel always takes, asks."""
     return (
         cpu_rowops.eager_cpu(x, k_cache)
         and k_cache.dtype == x.dtype
-        and kernel_takes(plan, x.shape[1])
         and k_cache.shape[-1] % 32 == 0
         and k_cache.shape[-1] in cpu_attention.HEAD_DIMS
         and _load() is None
@@ -722,6 +721,44 @@ def head_args(
         return None
     kept: HeadArgs = _kept(head, "fused_head_args", lambda: _head_build(head))
     return kept if kept.fused else None
+
+
+def head_chain_args(
+    head: nn.Module, hidden: torch.Tensor, k_cache: torch.Tensor
+) -> HeadArgs | None:
+    """head_args for the `head_chain` op (a chain after each row's committed length, whose plan
+    the op makes)."""
+    if not _step_fits(hidden, k_cache):
+        return None
+    kept: HeadArgs = _kept(head, "fused_head_args", lambda: _head_build(head))
+    return kept if kept.fused else None
+
+
+@functools.cache
+def _head_chain_op() -> Callable[..., list[torch.Tensor]]:
+    """The head_chain op's C++ entry, past its Python wrapper (_decoder_op says why)."""
+    overload = torch.ops.eaglespec_layer.head_chain.default
+    return getattr(overload, "_op", overload)
+
+
+def head_chain(
+    args: HeadArgs,  # head_chain_args
+    ids: torch.Tensor,  # (B, T) int64 target-vocabulary ids, a chain per row
+    states: list[torch.Tensor],  # A x (B, T, Ct) target states with `combine`, else [(B, T, C)]
+    combine: bool,  # states are target states for fc (only where args.fc)
+    lengths: list[int],  # each row's committed length in the head's cache
+    last: list[int],  # each row's token whose logits and state are returned
+    k_cache: torch.Tensor,  # (B, Hkv, S, D) the head cache's layer, written
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eagle3Head.feed_last / step_last in one call (csrc/layer.cpp's head_chain_forward):
+    each row's (B, Vd) fp32 logits and (B, C) next state at its token last[b]."""
+    fc, fc_bits = args.fc if combine else (None, 0)
+    out: list[torch.Tensor] = _head_chain_op()(
+        ids.contiguous(), states, fc, fc_bits, lengths, last, *args.lead, *args.flags,
+        *args.layer.matrices, k_cache, v_cache, args.layer.num_heads, *args.lm_head,
+    )  # fmt: skip
+    return out[0], out[1]
 
 
 def _head_build(head: nn.Module) -> HeadArgs:

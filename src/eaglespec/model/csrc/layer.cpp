@@ -809,59 +809,115 @@ std::vector<at::Tensor> decoder_forward(
   return out;
 }
 
+// What KVCache.plan gives a forward over a chain of T new tokens per row after its committed
+// length (ids (B, T); lengths each row's committed length; capacity the cache's slots): row b's
+// token t at position and slot lengths[b] + t, K = max(lengths) + T keys, and the mask seeing
+// the slots up to there: none where every row has one length and T is 1, else (B, 1, T, K)
+// (the same values as plan's, which is all attention reads). Raises plan's overflow error.
+namespace {
+
+struct ChainPlan {
+  at::Tensor positions;  // (B, T) int64, also the slots written
+  int64_t num_keys;
+  std::optional<at::Tensor> mask;
+};
+
+ChainPlan chain_plan(const at::Tensor& ids, at::IntArrayRef lengths, int64_t capacity,
+                     const char* op) {
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous(), op,
+              ": ids must be contiguous (B, T) int64, got ", ids.sizes());
+  const int64_t B = ids.size(0), T_ = ids.size(1);
+  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == B, op, ": ", lengths.size(),
+              " lengths for ", B, " rows");
+  int64_t lo = lengths.empty() ? 0 : lengths[0], hi = lo;
+  for (const int64_t n : lengths) lo = std::min(lo, n), hi = std::max(hi, n);
+  ChainPlan p{at::empty({B, T_}, ids.options()), hi + T_, std::nullopt};
+  TORCH_CHECK(lo >= 0 && p.num_keys <= capacity, "KV cache overflow: ", p.num_keys,
+              " entries needed, capacity ", capacity);
+  int64_t* pp = p.positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T_; ++t) pp[b * T_ + t] = lengths[b] + t;
+  if (lo != hi || T_ > 1) {
+    at::Tensor m = at::empty({B, 1, T_, p.num_keys}, ids.options().dtype(at::kBool));
+    bool* mp = m.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T_; ++t)
+        for (int64_t s = 0; s < p.num_keys; ++s)
+          mp[(b * T_ + t) * p.num_keys + s] = s <= lengths[b] + t;
+    p.mask = m;
+  }
+  return p;
+}
+
+}  // namespace
+
 // A greedy forward over a chain of T new tokens per row after its committed length (a decode
 // step, or a chain's verification), from the token ids to the target's argmax after each:
-// Transformer.forward's host work (cache.KVCache.plan, the embedding) and the argmax kernel
-// in the same call as decoder_forward, so a step crosses from Python once (each crossing after
-// a step's weight stream runs cold: about 70 us for a one-tensor op, session 62). ids (B, T)
+// Transformer.forward's host work (chain_plan, the embedding) and the argmax kernel in the
+// same call as decoder_forward, so a step crosses from Python once (each crossing after a
+// step's weight stream runs cold: about 70 us for a one-tensor op, session 62). ids (B, T)
 // int64, lengths each row's committed length, k_all and v_all the cache (L, B, Hkv, S, D).
-// Row b's token t sits at position and slot lengths[b] + t and sees the slots up to there,
-// through the mask plan() makes: none where every row has one length and T is 1, else
-// (B, 1, T, K) over K = max(lengths) + T keys. The same tensors' values as the Python path
-// gives decoder_forward, so the same bits. Returns the argmax (B, T) int64, then the captured
-// states in capture's order.
+// The same tensors' values as the Python path gives decoder_forward, so the same bits.
+// Returns the argmax (B, T) int64, then the captured states in capture's order.
 std::vector<at::Tensor> greedy_chain_forward(
     const at::Tensor& ids, at::IntArrayRef lengths, const at::Tensor& embed,
     const at::Tensor& inv_freq, const c10::intrusive_ptr<Stack>& layers, const at::Tensor& k_all,
     const at::Tensor& v_all, at::IntArrayRef capture, const at::Tensor& norm,
     const at::Tensor& lm_head, int64_t lm_bits, int64_t vocab) {
-  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-              "greedy_chain: ids must be contiguous (B, T) int64, got ", ids.sizes());
-  const int64_t B = ids.size(0), T_ = ids.size(1);
-  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == B, "greedy_chain: ", lengths.size(),
-              " lengths for ", B, " rows");
-  TORCH_CHECK(k_all.dim() == 5 && k_all.size(1) == B && v_all.sizes() == k_all.sizes(),
-              "greedy_chain: the caches must be (L, B, Hkv, S, D) for ", B, " rows, got ",
-              k_all.sizes(), " and ", v_all.sizes());
-  int64_t lo = lengths.empty() ? 0 : lengths[0], hi = lo;
-  for (const int64_t n : lengths) lo = std::min(lo, n), hi = std::max(hi, n);
-  const int64_t num_keys = hi + T_;
-  TORCH_CHECK(lo >= 0 && num_keys <= k_all.size(3), "greedy_chain: KV cache overflow: ",
-              num_keys, " entries needed, capacity ", k_all.size(3));
-  at::Tensor positions = at::empty({B, T_}, ids.options());  // also the slots written
-  int64_t* pp = positions.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T_; ++t) pp[b * T_ + t] = lengths[b] + t;
-  std::optional<at::Tensor> mask;
-  if (lo != hi || T_ > 1) {
-    at::Tensor m = at::empty({B, 1, T_, num_keys}, ids.options().dtype(at::kBool));
-    bool* mp = m.data_ptr<bool>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T_; ++t)
-        for (int64_t s = 0; s < num_keys; ++s)
-          mp[(b * T_ + t) * num_keys + s] = s <= lengths[b] + t;
-    mask = m;
-  }
+  TORCH_CHECK(k_all.dim() == 5 && k_all.size(1) == ids.size(0) && v_all.sizes() == k_all.sizes(),
+              "greedy_chain: the caches must be (L, B, Hkv, S, D) for ", ids.size(0),
+              " rows, got ", k_all.sizes(), " and ", v_all.sizes());
+  const ChainPlan p = chain_plan(ids, lengths, k_all.size(3), "greedy_chain");
   std::vector<at::Tensor> ks, vs;
   for (int64_t l = 0; l < k_all.size(0); ++l) {
     ks.push_back(k_all.select(0, l));
     vs.push_back(v_all.select(0, l));
   }
   std::vector<at::Tensor> out =
-      decoder_forward(at::embedding(embed, ids), positions, inv_freq, layers, ks, vs, positions,
-                      num_keys, mask, capture, norm, std::nullopt, lm_head, lm_bits, vocab);
+      decoder_forward(at::embedding(embed, ids), p.positions, inv_freq, layers, ks, vs,
+                      p.positions, p.num_keys, p.mask, capture, norm, std::nullopt, lm_head,
+                      lm_bits, vocab);
   out[0] = kernels::argmax_rows(out[0]);  // (B, T)
   return out;
+}
+
+// head_forward over a chain of T new tokens per row after the head cache's committed lengths
+// (a catch-up, or a draft step: chain_plan), returning only what the proposer reads: each row's
+// logits (B, Vd) and next state (B, C) at its token last[b] (Eagle3Head.feed_last and
+// step_last), so the positions, plan, logit index and row pick cost no op of their own from
+// Python. The same values as the Python path gives head_forward, so the same bits.
+std::vector<at::Tensor> head_chain_forward(
+    const at::Tensor& ids, at::TensorList states, const std::optional<at::Tensor>& fc,
+    int64_t fc_bits, at::IntArrayRef lengths, at::IntArrayRef last, const at::Tensor& inv_freq,
+    const at::Tensor& embed, const at::Tensor& input_norm, const at::Tensor& hidden_norm,
+    const at::Tensor& mlp_norm, const std::optional<at::Tensor>& final_norm, double eps,
+    bool norm_before_residual, bool feed_normed, const at::Tensor& wqkv,
+    const std::optional<at::Tensor>& bqkv, int64_t n_qkv, const at::Tensor& wo,
+    const std::optional<at::Tensor>& bo, const at::Tensor& w13,
+    const std::optional<at::Tensor>& b13, int64_t n_13, const at::Tensor& w2,
+    const std::optional<at::Tensor>& b2, at::Tensor k_cache, at::Tensor v_cache,
+    int64_t num_heads, const at::Tensor& lm_head, int64_t lm_bits, int64_t vocab) {
+  const int64_t B = ids.size(0), T_ = ids.dim() == 2 ? ids.size(1) : 0;
+  TORCH_CHECK(static_cast<int64_t>(last.size()) == B, "head_chain: ", last.size(),
+              " last tokens for ", B, " rows");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B, "head_chain: the cache must be (B, ",
+              "Hkv, S, D) for ", B, " rows, got ", k_cache.sizes());
+  const ChainPlan p = chain_plan(ids, lengths, k_cache.size(2), "head_chain");
+  at::Tensor index = at::empty({B, 1}, ids.options());
+  int64_t* ip = index.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 <= last[b] && last[b] < T_, "head_chain: last token ", last[b], " of ", T_);
+    ip[b] = last[b];
+  }
+  const std::vector<at::Tensor> out = head_forward(
+      ids, states, fc, fc_bits, p.positions, inv_freq, embed, input_norm, hidden_norm, mlp_norm,
+      final_norm, eps, norm_before_residual, feed_normed, wqkv, bqkv, n_qkv, wo, bo, w13, b13,
+      n_13, w2, b2, k_cache, v_cache, p.positions, p.num_keys, p.mask, num_heads, index, lm_head,
+      lm_bits, vocab);
+  const at::Tensor& x = out[1];  // (B, T, C)
+  at::Tensor state = at::empty({B, x.size(2)}, x.options());
+  for (int64_t b = 0; b < B; ++b) state[b].copy_(x[b][last[b]]);
+  return {out[0].select(1, 0), state};
 }
 
 namespace {
@@ -1234,6 +1290,13 @@ TORCH_LIBRARY(eaglespec_layer, m) {
       "greedy_chain(Tensor ids, int[] lengths, Tensor embed, Tensor inv_freq, "
       "__torch__.torch.classes.eaglespec_layer.Stack layers, Tensor(a!) k_all, Tensor(b!) v_all, "
       "int[] capture, Tensor norm, Tensor lm_head, int lm_bits, int vocab) -> Tensor[]");
+  m.def(
+      "head_chain(Tensor ids, Tensor[] states, Tensor? fc, int fc_bits, int[] lengths, "
+      "int[] last, Tensor inv_freq, Tensor embed, Tensor input_norm, Tensor hidden_norm, "
+      "Tensor mlp_norm, Tensor? final_norm, float eps, bool norm_before_residual, "
+      "bool feed_normed, Tensor wqkv, Tensor? bqkv, int n_qkv, Tensor wo, Tensor? bo, "
+      "Tensor w13, Tensor? b13, int n_13, Tensor w2, Tensor? b2, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, int num_heads, Tensor lm_head, int lm_bits, int vocab) -> Tensor[]");
   m.def("supported() -> bool");
   m.def("use_team(bool enable) -> bool");
   m.def("use_native(bool enable) -> bool");
@@ -1249,6 +1312,7 @@ TORCH_LIBRARY_IMPL(eaglespec_layer, CPU, m) {
   m.impl("head", &Teamed<&head_forward>::call);
   m.impl("decoder", &Teamed<&decoder_forward>::call);
   m.impl("greedy_chain", &Teamed<&greedy_chain_forward>::call);
+  m.impl("head_chain", &Teamed<&head_chain_forward>::call);
   m.impl("sandwich_decoder", &Teamed<&sandwich_decoder_forward>::call);
 }
 
