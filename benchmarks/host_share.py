@@ -10,12 +10,13 @@ adaptive), while the calls of the kernel ops are recorded: the target's decoder
 (`cpu_layer.forward_decoder`, and `cpu_layer.greedy_chain` for greedy steps and chains, the
 argmax included), the head's step (`cpu_layer.forward_head`, and `cpu_layer.head_chain` for
 catch-ups and chain steps) and the greedy argmax (`sampling.greedy_tokens`, where the engine
-calls it). Right after each generation those calls are replayed in order from a loop that does nothing else, with the same arguments (the KV
-caches are written again with the same values). The replay is what the generation costs with
-every other piece of host work gone (the engine's Python, the tree and cache bookkeeping, the
-tokenizer, the policy) and only the ops' own Python wrappers left: a floor for a loop or round
-run natively. Prints per mode the median ms a token of the generation and of its replay, their
-ratio, and the speed-up a native loop could give at most (generation / replay).
+calls it). Right after each generation those calls are replayed in order from a loop that does
+nothing else, with the same arguments (the KV caches are written again with the same values).
+The replay is what the generation costs with every other piece of host work gone (the engine's
+Python, the tree and cache bookkeeping, the tokenizer, the policy) and only the ops' own Python
+wrappers left: a floor for a loop or round run natively. Prints per mode the median ms a token
+of the generation and of its replay, their ratio, and the speed-up a native loop could give at
+most (generation / replay).
 
 Without the fused CPU path (no AVX2, a GPU, torch.compile) the ops are never called and the
 replay is empty: the script says so and stops.
