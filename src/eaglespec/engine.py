@@ -452,22 +452,25 @@ def speculate_round(
     every row verifies as many tokens as its longest graft, policy.py)."""
     clock = PhaseClock(batch.roots.device)
     clock.mark()
+    greedy = batch.st.all_greedy and all(t is None for t in logprobs)
+    grafter = getattr(proposer, "graft", None) if graft else None  # (its isinstance: ~20 us)
     room = batch.cache.capacity - max(batch.cache.lengths) - 1
     if tree is not None and isinstance(proposer, TreeProposer) and room >= tree.num_nodes:
         drafted = proposer.propose_tree(batch.draft, batch.roots, tree)
     else:  # a chain, shortened near the end of the cache
         k = max(0, min(num_draft, room))
+        if k == 0 and grafter is None and greedy:  # nothing to draft or graft: no tree to build
+            clock.mark()
+            return _plain_round(target, proposer, batch, clock)
         roots = batch.roots  # (B,)
         drafts = proposer.propose(batch.draft, k) if k else roots.new_empty(len(roots), 0)
         drafted = chain_tree(roots, drafts)
     own_nodes = drafted.tokens.shape[1]  # nodes past these are grafted (prompt lookup's)
-    grafter = getattr(proposer, "graft", None) if graft else None  # (its isinstance: ~20 us)
     if grafter is not None:  # a GraftingProposer's candidates
         drafted = grafter(batch.draft, drafted, room)
     clock.mark()
-    if drafted.num_nodes == 1 and batch.st.all_greedy and all(t is None for t in logprobs):
+    if drafted.num_nodes == 1 and greedy:  # the gate declined every draft, lookup found none
         return _plain_round(target, proposer, batch, clock)
-    greedy = batch.st.all_greedy and all(t is None for t in logprobs)
     out: ForwardOutput | None = None
     argmax: torch.Tensor | None
     if greedy and drafted.is_chain:  # the argmax after each node is all greedy verification needs

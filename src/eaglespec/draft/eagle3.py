@@ -333,9 +333,13 @@ class Eagle3Head(nn.Module):
             )  # fmt: skip
         dev = input_ids.device
         positions = torch.tensor(cache.lengths, device=dev)[:, None] + torch.arange(T, device=dev)
-        index = torch.tensor(last, device=dev)[:, None]  # (B, 1)
-        out = self._step(input_ids, states, combine, positions, cache, None, index)
-        return out.logits[:, 0], out.prenorm[torch.arange(B, device=dev), index[:, 0]]
+        if combine:  # a catch-up: the logits at each row's last (as the proposer always asked)
+            index = torch.tensor(last, device=dev)[:, None]  # (B, 1)
+            out = self._step(input_ids, states, combine, positions, cache, None, index)
+            return out.logits[:, 0], out.prenorm[torch.arange(B, device=dev), index[:, 0]]
+        # a draft step, one token a row: all logits (a compiled head's graph for draft steps)
+        out = self._step(input_ids, states, combine, positions, cache, None, None)
+        return out.logits[:, -1], out.prenorm[:, -1]
 
     def _step(
         self,
