@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -203,21 +204,36 @@ def test_the_stacked_layers_have_the_per_layer_bits(
     final norm and the output matrix) or, where that is refused, `stack` (the layers): the same
     logits, captured states and cache bits, and the op really ran."""
     model = _target(dtype, bias)
-    calls: list[int] = []
-    name = "forward_decoder" if op == "decoder" else "forward_stack"
-    real = getattr(cpu_layer, name)
-    monkeypatch.setattr(cpu_layer, name, lambda *a: calls.append(1) or real(*a))
     if op == "stack":
         monkeypatch.setattr(cpu_layer, "logits_args", lambda *a: None)
+    name = "forward_decoder" if op == "decoder" else "forward_stack"
+    # the prefill, two steps, the tree, the last step
+    _assert_op_is_its_fallback(_run, model, name, "stack_args", 5, monkeypatch)
+
+
+def _assert_op_is_its_fallback(
+    run: Callable[[Transformer], tuple[list[torch.Tensor], torch.Tensor]],
+    model: Transformer,
+    op: str,
+    refuse: str,
+    calls: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`run` on the model, cpu_layer's `op` counted, then on a copy with cpu_layer's `refuse`
+    patched to refuse it: the op ran `calls` times, and every output and the cache are the same
+    bits."""
+    counted: list[int] = []
+    real = getattr(cpu_layer, op)
+    monkeypatch.setattr(cpu_layer, op, lambda *a: counted.append(1) or real(*a))
     with torch.inference_mode():
-        stacked, stacked_cache = _run(model)
-        assert len(calls) == 5  # the prefill, two steps, the tree, the last step
-        monkeypatch.setattr(cpu_layer, "stack_args", lambda *a: None)
-        per_layer, per_layer_cache = _run(copy.deepcopy(model))
-    assert len(calls) == 5
-    for a, b in zip(stacked, per_layer, strict=True):
+        taken, taken_cache = run(model)
+        assert len(counted) == calls
+        monkeypatch.setattr(cpu_layer, refuse, lambda *a: None)
+        fallback, fallback_cache = run(copy.deepcopy(model))
+    assert len(counted) == calls
+    for a, b in zip(taken, fallback, strict=True):
         assert torch.equal(a, b)
-    assert torch.equal(stacked_cache, per_layer_cache)
+    assert torch.equal(taken_cache, fallback_cache)
 
 
 def test_the_decoder_reads_an_output_matrix_replaced_after_a_forward(
@@ -450,18 +466,7 @@ def test_the_greedy_op_has_the_forwards_and_argmaxs_bits(
     decoder and the argmax) against `forward` and sampling.greedy_tokens: the same argmax,
     captured states and cache bits, and the op really ran."""
     model = _target(dtype, mixed=mixed)
-    calls: list[int] = []
-    real = cpu_layer.greedy_chain
-    monkeypatch.setattr(cpu_layer, "greedy_chain", lambda *a: calls.append(1) or real(*a))
-    with torch.inference_mode():
-        fused, fused_cache = _greedy_run(model)
-        assert len(calls) == 6
-        monkeypatch.setattr(cpu_layer, "greedy_args", lambda *a: None)
-        python, python_cache = _greedy_run(copy.deepcopy(model))
-    assert len(calls) == 6
-    for a, b in zip(fused, python, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(fused_cache, python_cache)
+    _assert_op_is_its_fallback(_greedy_run, model, "greedy_chain", "greedy_args", 6, monkeypatch)
 
 
 def test_the_greedy_op_steps_aside_and_refuses_what_forward_refuses() -> None:
