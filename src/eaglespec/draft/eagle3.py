@@ -332,7 +332,7 @@ class Eagle3Head(nn.Module):
                 cache.v_layers[0],
             )  # fmt: skip
         dev = input_ids.device
-        positions = torch.tensor(cache.lengths, device=dev)[:, None] + torch.arange(T, device=dev)
+        positions = cache.write_slots(T)  # (B, T): a chain's positions are its slots
         if combine:  # a catch-up: the logits at each row's last (as the proposer always asked)
             index = torch.tensor(last, device=dev)[:, None]  # (B, 1)
             out = self._step(input_ids, states, combine, positions, cache, None, index)

@@ -717,17 +717,16 @@ def head_args(
     """The `head` op's arguments for a step of this EAGLE-3 head, or None where the op does not
     take it: the forward's side as `step_fits`; the head of one layer, its MidLayer fused, its
     norms of one eps, its lm_head w4a8's (4- or 8-bit, no bias) and its embedding dense."""
-    if not step_fits(hidden, k_cache, plan):
+    if not kernel_takes(plan, hidden.shape[1]):
         return None
-    kept: HeadArgs = _kept(head, "fused_head_args", lambda: _head_build(head))
-    return kept if kept.fused else None
+    return head_chain_args(head, hidden, k_cache)
 
 
 def head_chain_args(
     head: nn.Module, hidden: torch.Tensor, k_cache: torch.Tensor
 ) -> HeadArgs | None:
-    """head_args for the `head_chain` op (a chain after each row's committed length, whose plan
-    the op makes)."""
+    """head_args without the plan: for the `head_chain` op (a chain after each row's committed
+    length, whose plan the op makes), and head_args' own but for the plan."""
     if not _step_fits(hidden, k_cache):
         return None
     kept: HeadArgs = _kept(head, "fused_head_args", lambda: _head_build(head))

@@ -238,10 +238,8 @@ class Transformer(nn.Module):
         fused = None
         if self.compiled_body is None and not self.cfg.embed_scale and not self.cfg.sliding_layers:
             fused = cpu_layer.greedy_args(self, self.embed.weight, cache.k)
-        if fused is None:
-            start = torch.tensor(cache.lengths, device=input_ids.device)[:, None]  # (B, 1)
-            positions = start + torch.arange(T, device=input_ids.device)
-            out = self(input_ids, positions, cache, capture=capture)
+        if fused is None:  # a chain's positions are its cache slots
+            out = self(input_ids, cache.write_slots(T), cache, capture=capture)
             return greedy_tokens(out.logits), out.hidden
         assert cache.batch == B, f"cache has {cache.batch} rows, input has {B}"
         self._check_capture(capture)

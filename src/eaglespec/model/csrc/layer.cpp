@@ -897,12 +897,13 @@ std::vector<at::Tensor> head_chain_forward(
     const std::optional<at::Tensor>& b13, int64_t n_13, const at::Tensor& w2,
     const std::optional<at::Tensor>& b2, at::Tensor k_cache, at::Tensor v_cache,
     int64_t num_heads, const at::Tensor& lm_head, int64_t lm_bits, int64_t vocab) {
-  const int64_t B = ids.size(0), T_ = ids.dim() == 2 ? ids.size(1) : 0;
+  TORCH_CHECK(k_cache.dim() == 4, "head_chain: the cache must be (B, Hkv, S, D), got ",
+              k_cache.sizes());
+  const ChainPlan p = chain_plan(ids, lengths, k_cache.size(2), "head_chain");  // checks ids
+  const int64_t B = ids.size(0), T_ = ids.size(1);
+  TORCH_CHECK(k_cache.size(0) == B, "head_chain: a cache of ", k_cache.size(0), " rows for ", B);
   TORCH_CHECK(static_cast<int64_t>(last.size()) == B, "head_chain: ", last.size(),
               " last tokens for ", B, " rows");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B, "head_chain: the cache must be (B, ",
-              "Hkv, S, D) for ", B, " rows, got ", k_cache.sizes());
-  const ChainPlan p = chain_plan(ids, lengths, k_cache.size(2), "head_chain");
   at::Tensor index = at::empty({B, 1}, ids.options());
   int64_t* ip = index.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
